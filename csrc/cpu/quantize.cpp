@@ -1,0 +1,85 @@
+// CPU blockwise quantize / dequantize.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "pagedopt/checks.h"
+#include "pagedopt/codebook.h"
+
+namespace pagedopt {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x_in, const at::Tensor& code,
+                                                          int64_t blocksize) {
+  check_blocksize(blocksize);
+  TORCH_CHECK(is_supported_param_dtype(x_in.scalar_type()), "quantize_blockwise: x has unsupported dtype ",
+              x_in.scalar_type());
+  check_codebook(code, "code", x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t n = x.numel();
+  const int64_t blocks = ceil_div(n, blocksize);
+  at::Tensor codes = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  at::Tensor absmax = at::empty({blocks}, x.options().dtype(at::kFloat));
+  const float* cb = code.data_ptr<float>();
+  uint8_t* q = codes.data_ptr<uint8_t>();
+  float* am = absmax.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_blockwise_cpu", [&] {
+    const scalar_t* xs = x.data_ptr<scalar_t>();
+    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t lo = b * blocksize;
+        const int64_t hi = std::min(n, lo + blocksize);
+        float m = 0.0f;
+        for (int64_t i = lo; i < hi; ++i) m = std::max(m, std::fabs(static_cast<float>(xs[i])));
+        am[b] = m;
+        for (int64_t i = lo; i < hi; ++i) q[i] = quantize_value(cb, static_cast<float>(xs[i]), m);
+      }
+    });
+  });
+  return {codes, absmax};
+}
+
+at::Tensor dequantize_blockwise_cpu(const at::Tensor& codes_in, const at::Tensor& absmax_in, const at::Tensor& code,
+                                    int64_t blocksize, at::ScalarType dtype) {
+  check_blocksize(blocksize);
+  TORCH_CHECK(codes_in.scalar_type() == at::kByte, "dequantize_blockwise: codes must be uint8, got ",
+              codes_in.scalar_type());
+  TORCH_CHECK(absmax_in.scalar_type() == at::kFloat, "dequantize_blockwise: absmax must be float32, got ",
+              absmax_in.scalar_type());
+  TORCH_CHECK(is_supported_param_dtype(dtype), "dequantize_blockwise: unsupported output dtype ", dtype);
+  check_codebook(code, "code", codes_in.device());
+  const at::Tensor codes = codes_in.contiguous();
+  const at::Tensor absmax = absmax_in.contiguous();
+  const int64_t n = codes.numel();
+  const int64_t blocks = ceil_div(n, blocksize);
+  TORCH_CHECK(absmax.numel() == blocks, "dequantize_blockwise: absmax must have ", blocks,
+              " elements for ", n, " codes in blocks of ", blocksize, ", got ", absmax.numel());
+  at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(dtype));
+  const float* cb = code.data_ptr<float>();
+  const uint8_t* q = codes.data_ptr<uint8_t>();
+  const float* am = absmax.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "dequantize_blockwise_cpu", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t lo = b * blocksize;
+        const int64_t hi = std::min(n, lo + blocksize);
+        for (int64_t i = lo; i < hi; ++i) o[i] = static_cast<scalar_t>(dequantize_value(cb, q[i], am[b]));
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pagedopt, CPU, m) {
+  m.impl("quantize_blockwise", &quantize_blockwise_cpu);
+  m.impl("dequantize_blockwise", &dequantize_blockwise_cpu);
+}
+
+}  // namespace pagedopt

@@ -1,0 +1,91 @@
+#pragma once
+// Argument checks shared by the CPU and CUDA host code. Every message names the offending
+// argument (and list index), and all checks run before any tensor is written.
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include "pagedopt/common.h"
+
+namespace pagedopt {
+
+inline bool is_supported_param_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+inline void check_codebook(const at::Tensor& code, const char* name, const at::Device& device) {
+  TORCH_CHECK(code.scalar_type() == at::kFloat, name, " must be float32, got ", code.scalar_type());
+  TORCH_CHECK(code.numel() == kCodebookSize, name, " must have ", kCodebookSize, " entries, got ",
+              code.numel());
+  TORCH_CHECK(code.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(code.device() == device, name, " is on ", code.device(), " but the data is on ", device);
+}
+
+inline void check_blocksize(int64_t blocksize) {
+  TORCH_CHECK(blocksize > 0 && blocksize % 32 == 0 && blocksize <= 4096,
+              "blocksize must be a positive multiple of 32 and at most 4096, got ", blocksize);
+}
+
+inline void check_adam8bit_args(at::TensorList params, at::TensorList grads, at::TensorList state1,
+                                at::TensorList state2, at::TensorList absmax1,
+                                at::TensorList absmax2, at::TensorList steps,
+                                const at::Tensor& code1, const at::Tensor& code2,
+                                const std::optional<at::Tensor>& grad_scale,
+                                const std::optional<at::Tensor>& found_inf) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && state1.size() == n && state2.size() == n &&
+                  absmax1.size() == n && absmax2.size() == n && steps.size() == n,
+              "adam8bit_step_: all tensor lists must have the same length; got params=", n,
+              " grads=", grads.size(), " state1=", state1.size(), " state2=", state2.size(),
+              " absmax1=", absmax1.size(), " absmax2=", absmax2.size(), " steps=", steps.size());
+  if (n == 0) return;
+  const at::Device device = params[0].device();
+  check_codebook(code1, "code1", device);
+  check_codebook(code2, "code2", device);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const at::Tensor& g = grads[i];
+    TORCH_CHECK(p.device() == device, "params[", i, "] is on ", p.device(), ", params[0] on ", device);
+    TORCH_CHECK(is_supported_param_dtype(p.scalar_type()), "params[", i,
+                "] has unsupported dtype ", p.scalar_type(), " (float32, bfloat16, float16 are supported)");
+    TORCH_CHECK(p.is_contiguous(), "params[", i, "] must be contiguous");
+    TORCH_CHECK(g.layout() == at::kStrided, "grads[", i, "] is sparse; sparse gradients are not supported");
+    TORCH_CHECK(g.scalar_type() == p.scalar_type(), "grads[", i, "] has dtype ", g.scalar_type(),
+                " but params[", i, "] has dtype ", p.scalar_type());
+    TORCH_CHECK(g.sizes() == p.sizes(), "grads[", i, "] has shape ", g.sizes(), " but params[", i,
+                "] has shape ", p.sizes());
+    TORCH_CHECK(g.device() == device, "grads[", i, "] is on ", g.device(), ", params on ", device);
+    TORCH_CHECK(g.is_contiguous(), "grads[", i, "] must be contiguous");
+    const int64_t numel = p.numel();
+    const int64_t blocks = ceil_div(numel, kStateBlockSize);
+    for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{state1[i], "state1"},
+                                  {state2[i], "state2"}}) {
+      TORCH_CHECK(t.scalar_type() == at::kByte, name, "[", i, "] must be uint8, got ", t.scalar_type());
+      TORCH_CHECK(t.numel() == numel, name, "[", i, "] has ", t.numel(), " elements, params[", i,
+                  "] has ", numel);
+      TORCH_CHECK(t.is_contiguous() && t.device() == device, name, "[", i,
+                  "] must be contiguous and on ", device);
+    }
+    for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{absmax1[i], "absmax1"},
+                                  {absmax2[i], "absmax2"}}) {
+      TORCH_CHECK(t.scalar_type() == at::kFloat, name, "[", i, "] must be float32, got ", t.scalar_type());
+      TORCH_CHECK(t.numel() == blocks, name, "[", i, "] must have ", blocks, " elements (one per ",
+                  kStateBlockSize, "), got ", t.numel());
+      TORCH_CHECK(t.is_contiguous() && t.device() == device, name, "[", i,
+                  "] must be contiguous and on ", device);
+    }
+    TORCH_CHECK(steps[i].scalar_type() == at::kFloat && steps[i].numel() == 1, "steps[", i,
+                "] must be a float32 tensor with one element");
+    TORCH_CHECK(steps[i].device() == device, "steps[", i, "] is on ", steps[i].device(),
+                ", params on ", device);
+  }
+  for (const auto& [t, name] : {std::pair<const std::optional<at::Tensor>&, const char*>{grad_scale, "grad_scale"},
+                                {found_inf, "found_inf"}}) {
+    if (t.has_value()) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == 1, name,
+                  " must be a float32 tensor with one element");
+      TORCH_CHECK(t->device() == device, name, " is on ", t->device(), ", params on ", device);
+    }
+  }
+}
+
+}  // namespace pagedopt

@@ -1,0 +1,38 @@
+#pragma once
+// Nearest-code search in a sorted 256-entry codebook, and dequantization.
+// One definition for CPU and CUDA so both backends produce identical codes.
+#include <cmath>
+
+#include "pagedopt/common.h"
+
+namespace pagedopt {
+
+// Index of the codebook entry nearest to `x` in value, ties going to the lower index
+// (the same answer as argmin(|code - x|)). `code` must be sorted ascending.
+PAGEDOPT_HOST_DEVICE uint8_t nearest_code(const float* code, float x) {
+  int idx = 0;
+#pragma unroll
+  for (int step = kCodebookSize / 2; step > 0; step >>= 1) {
+    if (code[idx + step] <= x) idx += step;
+  }
+  // code[idx] <= x < code[idx + 1], except at the two ends of the codebook.
+  const int upper = idx + 1 < kCodebookSize ? idx + 1 : idx;
+  const float d_lower = fabsf(x - code[idx]);
+  const float d_upper = fabsf(code[upper] - x);
+  return static_cast<uint8_t>(d_upper < d_lower ? upper : idx);
+}
+
+// x / absmax, with an all-zero block (absmax == 0) mapping to the code nearest zero.
+PAGEDOPT_HOST_DEVICE float normalize_by_absmax(float x, float absmax) {
+  return absmax > 0.0f ? x / absmax : 0.0f;
+}
+
+PAGEDOPT_HOST_DEVICE uint8_t quantize_value(const float* code, float x, float absmax) {
+  return nearest_code(code, normalize_by_absmax(x, absmax));
+}
+
+PAGEDOPT_HOST_DEVICE float dequantize_value(const float* code, uint8_t q, float absmax) {
+  return code[q] * absmax;
+}
+
+}  // namespace pagedopt

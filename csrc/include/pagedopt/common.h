@@ -1,0 +1,20 @@
+#pragma once
+// Shared by the CPU (.cpp) and CUDA (.cu) kernels: everything here must compile for both.
+#include <cstdint>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define PAGEDOPT_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define PAGEDOPT_HOST_DEVICE inline
+#endif
+
+namespace pagedopt {
+
+// The optimizer kernels quantize their states in blocks of this many elements,
+// with one fp32 absmax per block (the bitsandbytes blockwise layout).
+constexpr int64_t kStateBlockSize = 256;
+constexpr int kCodebookSize = 256;
+
+PAGEDOPT_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace pagedopt

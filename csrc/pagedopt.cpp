@@ -1,0 +1,37 @@
+// The one place where every pagedopt operator is declared. Backends (csrc/cpu, csrc/cuda,
+// csrc/paging) register implementations with TORCH_LIBRARY_IMPL; Python registers fakes
+// in pagedopt/_ops.py.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// `import pagedopt._C` loads this library, which runs the registrations below.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(pagedopt, m) {
+  // Blockwise quantization: one fp32 absmax per `blocksize` elements, codes index `code`.
+  m.def("quantize_blockwise(Tensor x, Tensor code, int blocksize) -> (Tensor, Tensor)");
+  m.def(
+      "dequantize_blockwise(Tensor codes, Tensor absmax, Tensor code, int blocksize, "
+      "ScalarType dtype) -> Tensor");
+
+  // Fused 8-bit Adam/AdamW step over a list of tensors. `steps` holds each tensor's step
+  // count (already incremented for this step) as a float32 scalar tensor on its device.
+  m.def(
+      "adam8bit_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state1, "
+      "Tensor(c!)[] state2, Tensor(d!)[] absmax1, Tensor(e!)[] absmax2, Tensor[] steps, "
+      "Tensor code1, Tensor code2, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, bool decoupled, Tensor? grad_scale, Tensor? found_inf) -> ()");
+
+  // Unified (managed) memory, CUDA only. `to=None` means host memory.
+  m.def("concurrent_managed_access(int device_index) -> bool");
+  m.def("managed_empty(int[] size, ScalarType dtype, Device device) -> Tensor");
+  m.def("prefetch_(Tensor(a!) t, Device? to) -> ()");
+  m.def("advise_preferred_location_(Tensor(a!) t, Device? to) -> ()");
+  m.def("is_managed(Tensor t) -> bool");
+  m.def("residency(Tensor t) -> int");
+}

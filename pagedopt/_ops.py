@@ -1,0 +1,68 @@
+"""Typed Python wrappers over torch.ops.pagedopt.*, and a fake (meta) implementation of each
+op so that torch.compile and torch.library.opcheck can trace them."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import _C  # noqa: F401  (loads the library, which registers the ops)
+
+ops = torch.ops.pagedopt
+
+
+def has_cuda_kernels() -> bool:
+    """True when this build of pagedopt carries the CUDA kernels."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("pagedopt::adam8bit_step_", "CUDA")
+
+
+def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, blocksize: int = 256):
+    return ops.quantize_blockwise(x, code, blocksize)
+
+
+def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int = 256,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return ops.dequantize_blockwise(codes, absmax, code, blocksize, dtype)
+
+
+def adam8bit_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], state1, state2, absmax1,
+                   absmax2, steps, code1: torch.Tensor, code2: torch.Tensor, *, lr: float, beta1: float,
+                   beta2: float, eps: float, weight_decay: float, decoupled: bool,
+                   grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> None:
+    ops.adam8bit_step_(list(params), list(grads), list(state1), list(state2), list(absmax1), list(absmax2),
+                       list(steps), code1, code2, float(lr), float(beta1), float(beta2), float(eps),
+                       float(weight_decay), bool(decoupled), grad_scale, found_inf)
+
+
+@torch.library.register_fake("pagedopt::quantize_blockwise")
+def _quantize_blockwise_fake(x, code, blocksize):
+    torch._check(blocksize > 0)
+    blocks = (x.numel() + blocksize - 1) // blocksize
+    return torch.empty_like(x, dtype=torch.uint8), x.new_empty((blocks,), dtype=torch.float32)
+
+
+@torch.library.register_fake("pagedopt::dequantize_blockwise")
+def _dequantize_blockwise_fake(codes, absmax, code, blocksize, dtype):
+    torch._check(codes.dtype == torch.uint8)
+    return torch.empty_like(codes, dtype=dtype)
+
+
+@torch.library.register_fake("pagedopt::adam8bit_step_")
+def _adam8bit_step_fake(params, grads, state1, state2, absmax1, absmax2, steps, code1, code2, lr, beta1, beta2,
+                        eps, weight_decay, decoupled, grad_scale, found_inf):
+    return None
+
+
+@torch.library.register_fake("pagedopt::managed_empty")
+def _managed_empty_fake(size, dtype, device):
+    return torch.empty(size, dtype=dtype, device=device)
+
+
+@torch.library.register_fake("pagedopt::prefetch_")
+def _prefetch_fake(t, to):
+    return None
+
+
+@torch.library.register_fake("pagedopt::advise_preferred_location_")
+def _advise_fake(t, to):
+    return None

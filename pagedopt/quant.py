@@ -1,0 +1,103 @@
+"""Dynamic 8-bit codebooks and a pure-torch reference of blockwise quantization.
+
+The codebook is the "dynamic" map: exponent plus linear fraction, 256 sorted codes in
+[-1, 1] (signed, for Adam's first moment) or [0, 1] (unsigned, for the second moment).
+It is the same map bitsandbytes uses, so checkpoints carry over.
+
+The reference functions here are what the tests hold the C++/CUDA kernels to.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+CODEBOOK_SIZE = 256
+STATE_BLOCK_SIZE = 256
+
+
+@functools.lru_cache(maxsize=None)
+def _dynamic_map_cpu(signed: bool) -> torch.Tensor:
+    exponent_bits = 7
+    non_sign_bits = 7
+    values: list[float] = []
+    for i in range(exponent_bits):
+        # Decade i covers [10^(i-6) * 0.1, 10^(i-6)] with linearly spaced means.
+        shift = 0 if signed else 1
+        n_fraction = 2 ** (i + non_sign_bits - exponent_bits + shift) + 1
+        edges = torch.linspace(0.1, 1, n_fraction, dtype=torch.float32)
+        means = ((edges[:-1] + edges[1:]) / 2.0) * (10 ** (-(exponent_bits - 1) + i))
+        values += means.tolist()
+        if signed:
+            values += (-means).tolist()
+    values += [0.0, 1.0]
+    assert len(values) == CODEBOOK_SIZE, len(values)
+    code = torch.tensor(sorted(values), dtype=torch.float32)
+    code.requires_grad_(False)
+    return code
+
+
+def dynamic_codebook(signed: bool = True, device: torch.device | str | None = None) -> torch.Tensor:
+    """The 256-entry dynamic codebook, sorted ascending, as a new float32 tensor."""
+    return _dynamic_map_cpu(bool(signed)).clone().to(device if device is not None else "cpu")
+
+
+def check_codebook(code: torch.Tensor, name: str = "code") -> None:
+    """Raise ValueError unless `code` is a sorted float32 vector of 256 finite entries."""
+    if not isinstance(code, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(code).__name__}")
+    if code.dtype != torch.float32 or code.numel() != CODEBOOK_SIZE:
+        raise ValueError(f"{name} must be float32 with {CODEBOOK_SIZE} entries, got {code.dtype} "
+                         f"with {code.numel()}")
+    flat = code.detach().reshape(-1).cpu()
+    if not torch.isfinite(flat).all():
+        raise ValueError(f"{name} has non-finite entries")
+    if not (flat[1:] > flat[:-1]).all():
+        raise ValueError(f"{name} must be sorted strictly ascending")
+
+
+def _blocks(x: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, int]:
+    flat = x.detach().reshape(-1).float()
+    n = flat.numel()
+    pad = (-n) % blocksize
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, blocksize), n
+
+
+def nearest_code_reference(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """argmin_j |x - code[j]|, ties to the lower index, in fp32. Returns uint8 codes."""
+    x = x.float()
+    dist = (x.reshape(-1, 1) - code.to(x.device).reshape(1, -1)).abs()
+    return dist.argmin(dim=1).to(torch.uint8).reshape(x.shape)
+
+
+def quantize_blockwise_reference(x: torch.Tensor, code: torch.Tensor, blocksize: int = STATE_BLOCK_SIZE):
+    """Pure-torch blockwise quantization: (uint8 codes shaped like x, float32 absmax per block)."""
+    blocks, n = _blocks(x, blocksize)
+    absmax = blocks.abs().amax(dim=1)
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    normalized = torch.where(absmax[:, None] > 0, blocks / safe[:, None], torch.zeros_like(blocks))
+    codes = nearest_code_reference(normalized, code).reshape(-1)[:n]
+    return codes.reshape(x.shape), absmax
+
+
+def dequantize_blockwise_reference(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+                                   blocksize: int = STATE_BLOCK_SIZE, dtype: torch.dtype = torch.float32):
+    """Pure-torch inverse of quantize_blockwise_reference: code[q] * absmax of q's block."""
+    n = codes.numel()
+    idx = torch.arange(n, device=codes.device) // blocksize
+    values = code.to(codes.device)[codes.reshape(-1).long()] * absmax.float()[idx]
+    return values.reshape(codes.shape).to(dtype)
+
+
+def max_rounding_error(code: torch.Tensor, x_normalized: torch.Tensor) -> torch.Tensor:
+    """The most that round-to-nearest may be off by for each normalized value, in units of
+    absmax: half the gap between the two codes around it (or its distance to the nearest
+    end of the codebook, for values outside it)."""
+    code = code.to(x_normalized.device).float()
+    hi = torch.searchsorted(code, x_normalized.float().contiguous(), right=False).clamp(1, CODEBOOK_SIZE - 1)
+    half_gap = (code[hi] - code[hi - 1]) / 2
+    x = x_normalized.float()
+    outside = torch.maximum(code[0] - x, x - code[-1]).clamp_min(0)
+    return torch.maximum(half_gap, outside)
