@@ -42,7 +42,7 @@ void adam8bit_tensor_cpu(const at::Tensor& param, const at::Tensor& grad, const 
         const float gf = static_cast<float>(g[i]) / grad_scale;
         m[j] = dequantize_value(code1, q1[i], a1[b]);
         v[j] = dequantize_value(code2, q2[i], a2[b]);
-        adam_update(pf, gf, m[j], v[j], h, c);
+        adam_update(pf, gf, m[j], v[j], c);
         p[i] = static_cast<scalar_t>(pf);
         new_absmax1 = std::max(new_absmax1, std::fabs(m[j]));
         new_absmax2 = std::max(new_absmax2, std::fabs(v[j]));
@@ -66,8 +66,7 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
                       found_inf);
   if (found_inf.has_value() && found_inf->item<float>() != 0.0f) return;
   const float scale = grad_scale.has_value() ? grad_scale->item<float>() : 1.0f;
-  const AdamHyper h{static_cast<float>(lr), static_cast<float>(beta1), static_cast<float>(beta2),
-                    static_cast<float>(eps), static_cast<float>(weight_decay), decoupled};
+  const AdamHyper h{lr, beta1, beta2, eps, weight_decay, decoupled};
   for (size_t i = 0; i < params.size(); ++i) {
     if (params[i].numel() == 0) continue;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[i].scalar_type(), "adam8bit_step_cpu", [&] {

@@ -1,0 +1,328 @@
+"""The one optimizer base class. Concrete optimizers (adam.py) only fix defaults.
+
+State layout per parameter follows bitsandbytes, so checkpoints carry over:
+
+* 8-bit (``numel >= min_8bit_size``): ``state1``/``state2`` uint8 codes shaped like the
+  parameter, ``absmax1``/``absmax2`` float32 with one entry per 256-element block,
+  ``qmap1`` (signed codebook) / ``qmap2`` (unsigned codebook), ``step``.
+* 32-bit: ``state1``/``state2`` float32 shaped like the parameter, ``step``.
+
+``step`` is a float32 scalar tensor on the parameter's device (as torch's fused Adam keeps
+it), so that a step skipped by GradScaler needs no host synchronisation.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from .. import _ops
+
+from ..quant import STATE_BLOCK_SIZE, check_codebook, dynamic_codebook
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Paged steps are split into chunks of about this many state bytes, so that paging in the
+# next chunk overlaps the update of the current one.
+_PAGED_CHUNK_BYTES = 64 << 20
+
+
+def _describe(gi: int, pi: int, p: torch.Tensor) -> str:
+    return f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, {p.dtype}, {p.device})"
+
+
+class AdamBase(torch.optim.Optimizer):
+    """Adam with 8-bit blockwise-quantized or 32-bit states, optionally paged.
+
+    ``decoupled`` (a class attribute of the concrete class) selects AdamW's decoupled
+    weight decay; otherwise weight decay is L2, added to the gradient, as in torch.optim.Adam.
+    """
+
+    decoupled: bool = False
+    _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, optim_bits: int = 32, args: Any = None,
+                 min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True,
+                 is_paged: bool = False):
+        if amsgrad:
+            raise ValueError("amsgrad=True is not supported by pagedopt optimizers")
+        if args is not None:
+            raise ValueError("args (a bitsandbytes GlobalOptimManager config) is not supported; "
+                             "pass the settings as keyword arguments or per param group")
+        if percentile_clipping != 100:
+            raise ValueError(f"percentile_clipping={percentile_clipping} is not supported; "
+                             "only 100 (no clipping) is; clip gradients before step() instead")
+        if not block_wise:
+            raise ValueError("block_wise=False is not supported: states are always quantized in blocks of 256")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, optim_bits=optim_bits,
+                        min_8bit_size=min_8bit_size)
+        self._check_hyperparameters(defaults, "argument")
+        self.is_paged = bool(is_paged)
+        self._pager = None
+        if self.is_paged:
+            from ..paging import PageManager
+
+            self._pager = PageManager()
+        self._codebooks: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            self._check_hyperparameters(group, "param group")
+
+    # ------------------------------------------------------------------ validation
+    @staticmethod
+    def _check_hyperparameters(h: dict, where: str) -> None:
+        lr = h["lr"]
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1:
+                raise ValueError(f"{where} lr must be a float, got a tensor of shape {tuple(lr.shape)}")
+        elif not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"Invalid {where} lr: {lr!r} (must be a finite float >= 0)")
+        betas = h["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"Invalid {where} betas: {betas!r} (must be a pair of floats)")
+        for i, b in enumerate(betas):
+            if isinstance(b, torch.Tensor) or not 0.0 <= float(b) < 1.0:
+                raise ValueError(f"Invalid {where} betas[{i}]: {b!r} (must be a float in [0, 1))")
+        if not 0.0 <= h["eps"] or not math.isfinite(h["eps"]):
+            raise ValueError(f"Invalid {where} eps: {h['eps']!r} (must be a finite float >= 0)")
+        if not 0.0 <= h["weight_decay"] or not math.isfinite(h["weight_decay"]):
+            raise ValueError(f"Invalid {where} weight_decay: {h['weight_decay']!r} (must be >= 0)")
+        if h["optim_bits"] not in (8, 32):
+            raise ValueError(f"Invalid {where} optim_bits: {h['optim_bits']!r} (must be 8 or 32)")
+        m = h["min_8bit_size"]
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"Invalid {where} min_8bit_size: {m!r} (must be an int >= 0)")
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._check_hyperparameters(self.param_groups[-1], "param group")
+
+    @staticmethod
+    def _check_param(gi: int, pi: int, p: torch.Tensor) -> None:
+        g = p.grad
+        where = _describe(gi, pi, p)
+        if p.is_complex():
+            raise ValueError(f"{where}: complex parameters are not supported")
+        if p.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"{where}: dtype {p.dtype} is not supported (float32, bfloat16, float16 are)")
+        if g.is_sparse or g.layout != torch.strided:
+            raise ValueError(f"{where}: sparse gradients are not supported")
+        if g.dtype != p.dtype:
+            raise ValueError(f"{where}: gradient dtype {g.dtype} differs from the parameter's {p.dtype}")
+        if g.shape != p.shape:
+            raise ValueError(f"{where}: gradient shape {tuple(g.shape)} differs from the parameter's")
+        if g.device != p.device:
+            raise ValueError(f"{where}: gradient is on {g.device}, the parameter on {p.device}")
+
+    # ------------------------------------------------------------------ state
+    def _codebooks_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._codebooks:
+            self._codebooks[device] = (dynamic_codebook(True, device), dynamic_codebook(False, device))
+        return self._codebooks[device]
+
+    def _state_zeros(self, shape, dtype, device) -> torch.Tensor:
+        if self._pager is not None:
+            return self._pager.zeros(shape, dtype, device)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def _uses_8bit(self, group: dict, p: torch.Tensor) -> bool:
+        return group["optim_bits"] == 8 and p.numel() >= group["min_8bit_size"]
+
+    def _init_state(self, group: dict, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if len(state) != 0:
+            return state
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        if self._uses_8bit(group, p):
+            blocks = (p.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
+            state["state1"] = self._state_zeros(p.shape, torch.uint8, p.device)
+            state["state2"] = self._state_zeros(p.shape, torch.uint8, p.device)
+            state["absmax1"] = self._state_zeros((blocks,), torch.float32, p.device)
+            state["absmax2"] = self._state_zeros((blocks,), torch.float32, p.device)
+            state["qmap1"], state["qmap2"] = self._codebooks_on(p.device)
+        else:
+            state["state1"] = self._state_zeros(p.shape, torch.float32, p.device)
+            state["state2"] = self._state_zeros(p.shape, torch.float32, p.device)
+        return state
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        # 1. Validate everything before any state changes.
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                self._check_param(gi, pi, p)
+                work.append((gi, group, p))
+        if not work:
+            return loss
+
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+
+        # 2. Bucket by (group, device, dtype, state width); each bucket is one fused call.
+        buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for gi, group, p in work:
+            state = self._init_state(group, p)
+            eight_bit = state["state1"].dtype == torch.uint8
+            buckets[(gi, p.device, p.dtype, eight_bit)].append(p)
+
+        steps_by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for (_, device, _, _), params in buckets.items():
+            steps_by_device[device] += [self.state[p]["step"] for p in params]
+        for device, steps in steps_by_device.items():
+            torch._foreach_add_(steps, 1.0)
+
+        if self._pager is not None:
+            self._pager.begin_step()
+        for (gi, device, dtype, eight_bit), params in buckets.items():
+            group = self.param_groups[gi]
+            scale = None if grad_scale is None else grad_scale.to(device, non_blocking=True)
+            inf = None if found_inf is None else found_inf.to(device, non_blocking=True)
+            if eight_bit:
+                self._step_8bit(group, params, scale, inf)
+            else:
+                self._step_32bit(group, params, scale, inf)
+
+        if found_inf is not None:
+            for device, steps in steps_by_device.items():
+                torch._foreach_sub_(steps, found_inf.to(device, non_blocking=True))
+        return loss
+
+    @staticmethod
+    def _contiguous_views(params: list[torch.Tensor]):
+        """Kernels need contiguous tensors; a non-contiguous parameter is updated through a
+        contiguous copy that is written back afterwards."""
+        work_params = [p if p.is_contiguous() else p.contiguous() for p in params]
+        grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
+        return work_params, grads
+
+    @staticmethod
+    def _write_back(params: list[torch.Tensor], work_params: list[torch.Tensor]) -> None:
+        for p, w in zip(params, work_params):
+            if w is not p:
+                p.copy_(w)
+
+    def _chunks(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        if self._pager is None:
+            return [params]
+        chunks, current, size = [], [], 0
+        for p in params:
+            current.append(p)
+            size += sum(t.numel() * t.element_size() for k, t in self.state[p].items()
+                        if k in ("state1", "state2", "absmax1", "absmax2"))
+            if size >= _PAGED_CHUNK_BYTES:
+                chunks.append(current)
+                current, size = [], 0
+        if current:
+            chunks.append(current)
+        return chunks
+
+    def _paged_stages(self, chunks: list[list[torch.Tensor]]):
+        if self._pager is None:
+            return range(len(chunks))
+        keys = ("state1", "state2", "absmax1", "absmax2")
+        return self._pager.stage([[self.state[p][k] for p in chunk for k in keys if k in self.state[p]]
+                                  for chunk in chunks])
+
+    def _step_8bit(self, group: dict, params: list[torch.Tensor], grad_scale, found_inf) -> None:
+        beta1, beta2 = group["betas"]
+        chunks = self._chunks(params)
+        for i in self._paged_stages(chunks):
+            chunk = chunks[i]
+            states = [self.state[p] for p in chunk]
+            work_params, grads = self._contiguous_views(chunk)
+            _ops.adam8bit_step_(
+                work_params, grads, [s["state1"] for s in states], [s["state2"] for s in states],
+                [s["absmax1"] for s in states], [s["absmax2"] for s in states], [s["step"] for s in states],
+                states[0]["qmap1"], states[0]["qmap2"], lr=float(group["lr"]), beta1=float(beta1),
+                beta2=float(beta2), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                decoupled=self.decoupled, grad_scale=grad_scale, found_inf=found_inf)
+            self._write_back(chunk, work_params)
+
+    def _step_32bit(self, group: dict, params: list[torch.Tensor], grad_scale, found_inf) -> None:
+        """32-bit states reuse torch's fused Adam/AdamW kernel (CPU and CUDA)."""
+        beta1, beta2 = group["betas"]
+        fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        chunks = self._chunks(params)
+        for i in self._paged_stages(chunks):
+            chunk = chunks[i]
+            states = [self.state[p] for p in chunk]
+            work_params, grads = self._contiguous_views(chunk)
+            # torch's fused kernel wants params, grads and states of one dtype; states stay fp32.
+            if work_params[0].dtype != torch.float32:
+                work_params = [w.float() for w in work_params]
+                grads = [g.float() for g in grads]
+            fused(work_params, grads, [s["state1"] for s in states], [s["state2"] for s in states], [],
+                  [s["step"] for s in states], lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                  weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), amsgrad=False,
+                  maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+            self._write_back(chunk, work_params)
+
+    # ------------------------------------------------------------------ checkpoints
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Like torch's, but state keeps its own dtypes (torch would cast float32 absmax and
+        codebooks to a bf16 parameter's dtype), and paged states stay paged."""
+        saved_groups = state_dict["param_groups"]
+        id_to_param = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            id_to_param.update(zip(saved["params"], group["params"]))
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            self._check_hyperparameters(group, "loaded param group")
+        for key, saved_state in state_dict["state"].items():
+            p = id_to_param.get(key)
+            if p is not None:
+                self.state[p] = self._restore_state(p, saved_state)
+
+    def _restore_state(self, p: torch.Tensor, saved: dict) -> dict:
+        state = {}
+        for k, v in saved.items():
+            if k == "step":
+                state[k] = torch.as_tensor(v, dtype=torch.float32).reshape(()).to(p.device).clone()
+            elif k in ("qmap1", "qmap2"):
+                check_codebook(v.float(), f"saved {k}")
+                default = self._codebooks_on(p.device)[0 if k == "qmap1" else 1]
+                state[k] = default if torch.equal(v.float().cpu(), default.cpu()) else v.float().to(p.device)
+            elif isinstance(v, torch.Tensor) and k in ("state1", "state2", "absmax1", "absmax2"):
+                t = self._state_zeros(v.shape, v.dtype, p.device)
+                t.copy_(v)
+                state[k] = t
+            else:
+                state[k] = v
+        return state
+
+    # ------------------------------------------------------------------ paging
+    def page_out(self) -> None:
+        """Send every paged state to host memory (for example right after step(), to free
+        the GPU for activations). A no-op for unpaged optimizers."""
+        if self._pager is not None:
+            self._pager.page_out()
+
+    def prefetch(self) -> None:
+        """Bring every paged state back to its device ahead of the next step."""
+        if self._pager is not None:
+            self._pager.prefetch()
+
+    def paging_stats(self):
+        return None if self._pager is None else self._pager.stats()
+
+    def state_bytes(self) -> int:
+        """Bytes held by optimizer state tensors (codes, absmax, 32-bit moments, steps)."""
+        seen, total = set(), 0
+        for s in self.state.values():
+            for k, v in s.items():
+                if isinstance(v, torch.Tensor) and k not in ("qmap1", "qmap2") and v.data_ptr() not in seen:
+                    seen.add(v.data_ptr())
+                    total += v.numel() * v.element_size()
+        return total

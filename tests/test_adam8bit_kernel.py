@@ -1,0 +1,127 @@
+"""The CPU fused 8-bit Adam op against the pure-torch reference, one step at a time."""
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pagedopt import _ops
+from pagedopt.quant import STATE_BLOCK_SIZE, dequantize_blockwise_reference, dynamic_codebook
+
+from reference import adam8bit_step_reference, quantization_error_bound
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make_case(seed, sizes, dtype):
+    g = torch.Generator().manual_seed(seed)
+    code1, code2 = dynamic_codebook(True), dynamic_codebook(False)
+    tensors = []
+    for n in sizes:
+        p = torch.randn(n, generator=g).to(dtype)
+        grad = (torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))).to(dtype)
+        blocks = (n + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
+        # a random, already-populated state (as after some steps)
+        q1 = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+        q2 = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+        a1 = torch.rand(blocks, generator=g) * 0.1
+        a2 = torch.rand(blocks, generator=g) * 0.01
+        tensors.append(dict(p=p, g=grad, q1=q1, q2=q2, a1=a1, a2=a2))
+    return code1, code2, tensors
+
+
+hyper = st.fixed_dictionaries(dict(
+    lr=st.sampled_from([1e-4, 1e-3, 3e-2]), beta1=st.sampled_from([0.0, 0.9, 0.95]),
+    beta2=st.sampled_from([0.95, 0.999]), eps=st.sampled_from([1e-8, 1e-6]),
+    wd=st.sampled_from([0.0, 0.01, 0.1]), decoupled=st.booleans(), step=st.integers(1, 50)))
+
+
+@given(seed=st.integers(0, 2**31), sizes=st.lists(st.integers(1, 1200), min_size=1, max_size=4),
+       dtype=st.sampled_from(DTYPES), h=hyper)
+def test_cpu_step_matches_reference(seed, sizes, dtype, h):
+    code1, code2, tensors = make_case(seed, sizes, dtype)
+    before = [{k: v.clone() for k, v in t.items()} for t in tensors]
+    steps = [torch.tensor(float(h["step"])) for _ in tensors]
+    _ops.adam8bit_step_([t["p"] for t in tensors], [t["g"] for t in tensors], [t["q1"] for t in tensors],
+                        [t["q2"] for t in tensors], [t["a1"] for t in tensors], [t["a2"] for t in tensors], steps,
+                        code1, code2, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
+                        weight_decay=h["wd"], decoupled=h["decoupled"])
+    for t, b in zip(tensors, before):
+        p, q1, q2, a1, a2, m, v = adam8bit_step_reference(b["p"], b["g"], b["q1"], b["q2"], b["a1"], b["a2"],
+                                                          h["step"], code1, code2, h["lr"], h["beta1"],
+                                                          h["beta2"], h["eps"], h["wd"], h["decoupled"])
+        # new absmax is max |m| of the block, computed from the same fp32 values
+        torch.testing.assert_close(t["a1"], a1, rtol=1e-6, atol=0)
+        torch.testing.assert_close(t["a2"], a2, rtol=1e-6, atol=0)
+        # params: the same fp32 formula; at most one rounding step of the param dtype apart
+        # (torch's pow vs powf for the bias corrections may differ in the last fp32 bit)
+        tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+        torch.testing.assert_close(t["p"].float(), p.float(), rtol=tol, atol=tol * 1e-3)
+        # codes: nearest codes of the updated moments, so dequantized values lie within
+        # half a code gap (plus fp32 rounding) of the exact moments
+        m_q = dequantize_blockwise_reference(t["q1"].reshape(-1), t["a1"], code1)
+        v_q = dequantize_blockwise_reference(t["q2"].reshape(-1), t["a2"], code2)
+        assert ((m_q - m).abs() <= quantization_error_bound(m, t["a1"], code1) * (1 + 1e-5)).all()
+        assert ((v_q - v).abs() <= quantization_error_bound(v, t["a2"], code2) * (1 + 1e-5)).all()
+        # and all but a handful (ties within fp32 rounding) are exactly the reference's codes
+        assert (t["q1"] != q1).sum() <= max(2, q1.numel() // 500)
+        assert (t["q2"] != q2).sum() <= max(2, q2.numel() // 500)
+
+
+def test_found_inf_changes_nothing_and_grad_scale_divides():
+    code1, code2, tensors = make_case(3, [700, 300], torch.float32)
+    t = tensors[0]
+    args = lambda ts: ([x["p"] for x in ts], [x["g"] for x in ts], [x["q1"] for x in ts], [x["q2"] for x in ts],
+                       [x["a1"] for x in ts], [x["a2"] for x in ts], [torch.tensor(2.0) for _ in ts])
+    before = [{k: v.clone() for k, v in x.items()} for x in tensors]
+    _ops.adam8bit_step_(*args(tensors), code1, code2, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                        decoupled=True, grad_scale=torch.tensor(4.0), found_inf=torch.tensor(1.0))
+    for x, b in zip(tensors, before):
+        for k in x:
+            assert torch.equal(x[k], b[k]), k
+    scaled = [{**{k: v.clone() for k, v in x.items()}, "g": x["g"] * 1024} for x in tensors]
+    _ops.adam8bit_step_(*args(tensors), code1, code2, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                        decoupled=True)
+    _ops.adam8bit_step_(*args(scaled), code1, code2, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                        decoupled=True, grad_scale=torch.tensor(1024.0), found_inf=torch.tensor(0.0))
+    for x, s in zip(tensors, scaled):
+        for k in ("p", "q1", "q2", "a1", "a2"):
+            assert torch.equal(x[k], s[k]), k
+    assert not torch.equal(tensors[0]["p"], before[0]["p"])
+
+
+@pytest.mark.parametrize("bad", ["grad_dtype", "grad_shape", "state_size", "absmax_size", "list_length",
+                                 "state_dtype", "param_dtype"])
+def test_bad_inputs_raise_before_any_write(bad):
+    code1, code2, tensors = make_case(5, [600, 300], torch.float32)
+    ts = [dict(x) for x in tensors]
+    if bad == "grad_dtype":
+        ts[1]["g"] = ts[1]["g"].double()
+    elif bad == "grad_shape":
+        ts[1]["g"] = ts[1]["g"][:-1]
+    elif bad == "state_size":
+        ts[1]["q1"] = ts[1]["q1"][:-1]
+    elif bad == "absmax_size":
+        ts[1]["a2"] = torch.zeros(7)
+    elif bad == "state_dtype":
+        ts[1]["q2"] = ts[1]["q2"].float()
+    elif bad == "param_dtype":
+        ts[1]["p"], ts[1]["g"] = ts[1]["p"].double(), ts[1]["g"].double()
+    before = [{k: v.clone() for k, v in x.items()} for x in tensors]
+    steps = [torch.tensor(1.0) for _ in ts]
+    if bad == "list_length":
+        steps = steps[:1]
+    with pytest.raises(RuntimeError, match=r"\[1\]|same length"):
+        _ops.adam8bit_step_([x["p"] for x in ts], [x["g"] for x in ts], [x["q1"] for x in ts],
+                            [x["q2"] for x in ts], [x["a1"] for x in ts], [x["a2"] for x in ts], steps, code1,
+                            code2, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    for x, b in zip(tensors, before):
+        for k in x:
+            assert torch.equal(x[k], b[k]), k
+
+
+def test_opcheck_adam8bit_step():
+    code1, code2, tensors = make_case(7, [520, 33], torch.float32)
+    args = ([x["p"] for x in tensors], [x["g"] for x in tensors], [x["q1"] for x in tensors],
+            [x["q2"] for x in tensors], [x["a1"] for x in tensors], [x["a2"] for x in tensors],
+            [torch.tensor(3.0) for _ in tensors], code1, code2, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, None, None)
+    torch.library.opcheck(torch.ops.pagedopt.adam8bit_step_, args)
