@@ -214,7 +214,7 @@ class AdamBase(torch.optim.Optimizer):
                 p.copy_(w)
 
     def _chunks(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        if self._pager is None:
+        if self._pager is None or self._pager.all_resident():
             return [params]
         chunks, current, size = [], [], 0
         for p in params:
@@ -229,7 +229,7 @@ class AdamBase(torch.optim.Optimizer):
         return chunks
 
     def _paged_stages(self, chunks: list[list[torch.Tensor]]):
-        if self._pager is None:
+        if self._pager is None or self._pager.all_resident():
             return range(len(chunks))
         keys = ("state1", "state2", "absmax1", "absmax2")
         return self._pager.stage([[self.state[p][k] for p in chunk for k in keys if k in self.state[p]]

@@ -1,0 +1,450 @@
+"""Optimizer step time: pagedopt against torch, bitsandbytes and torchao, side by side in one run.
+
+Sets: the TinyLlama-1.1B parameter list (fp32 and bf16 params) and 2000 tensors of 256x256
+(fp32, launch-bound). Each figure is the median of --repeat steps after --warmup steps
+(3 and 10 by default; the first step, which creates the states, counts as a warm-up and is
+also reported on its own), with random gradients. Effective GB/s is taken at the floor bytes
+per parameter:
+
+    8-bit states:            16 B (fp32 params)  10 B (bf16 params)
+    32-bit AdamW (torch):    28 B (fp32 params + states)  14 B (bf16 params + states)
+
+and compared with the device copy bandwidth measured in the same run. Paged optimizers are
+also timed on the first step after a full page-out of their states.
+
+    python bench/bench_step.py                      # everything, on CUDA
+    python bench/bench_step.py --only pagedopt,torch --sets tinyllama
+    python bench/bench_step.py --no-torchao --out /tmp/out
+    python bench/bench_step.py --smoke --out /tmp/bs   # tiny, CPU, pagedopt only, seconds
+
+Peers that cannot be imported or fail are recorded as skipped, with the reason.
+Keep the total managed memory under 16 GiB (device safety rule): paged optimizers are
+counted conservatively (bitsandbytes never frees its paged buffers).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Callable, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.append(os.path.dirname(HERE))  # the repo root, after any installed pagedopt
+
+import torch  # noqa: E402
+
+import common as C  # noqa: E402
+
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MANAGED_LIMIT = 16 * (1 << 30)
+
+
+# --------------------------------------------------------------------------- peers
+def _pagedopt():
+    import pagedopt
+    return pagedopt
+
+
+def _bnb():
+    import bitsandbytes as bnb
+    return bnb
+
+
+def _torchao_adamw8bit():
+    from torchao.optim import AdamW8bit
+    return AdamW8bit
+
+
+def _paged_bytes_pagedopt(opt) -> int:
+    try:
+        from pagedopt._ops import ops
+        is_managed = ops.is_managed
+    except Exception:
+        return 0
+    seen, total = set(), 0
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor) and v.is_cuda and v.data_ptr() not in seen:
+                try:
+                    if is_managed(v):
+                        seen.add(v.data_ptr())
+                        total += v.numel() * v.element_size()
+                except Exception:
+                    pass
+    return total
+
+
+def _page_out_pagedopt(opt) -> int:
+    if not hasattr(opt, "page_out"):
+        raise RuntimeError("optimizer has no page_out()")
+    opt.page_out()
+    return _paged_bytes_pagedopt(opt)
+
+
+def _paged_bytes_bnb(opt) -> int:
+    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and getattr(v, "is_paged", False))
+
+
+def _page_out_bnb(opt) -> int:
+    import bitsandbytes.functional as F
+    n = 0
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor) and getattr(v, "is_paged", False):
+                F.prefetch_tensor(v, to_cpu=True)
+                n += v.numel() * v.element_size()
+    return n
+
+
+@dataclasses.dataclass
+class Spec:
+    name: str
+    family: str
+    bits: int                      # 8 or 32: picks the floor bytes per param
+    make: Callable                 # (params) -> optimizer
+    sets: tuple = ("tinyllama", "small")
+    dtypes: tuple = ("fp32", "bf16")
+    page_out: Optional[Callable] = None   # (opt) -> bytes sent to host
+    paged_bytes: Optional[Callable] = None
+    warmup: Optional[int] = None
+    repeat: Optional[int] = None
+    min_budget_s: float = 0.0      # skip when less wall time than this is left
+    note: str = ""
+
+
+def build_specs(args) -> list[Spec]:
+    specs = [
+        Spec("pagedopt_adamw8bit", "pagedopt", 8, lambda ps: _pagedopt().AdamW8bit(ps, **HYPER)),
+        Spec("pagedopt_paged_adamw8bit", "pagedopt", 8, lambda ps: _pagedopt().PagedAdamW8bit(ps, **HYPER),
+             page_out=_page_out_pagedopt, paged_bytes=_paged_bytes_pagedopt),
+        Spec("pagedopt_adamw32", "pagedopt", 32, lambda ps: _pagedopt().AdamW(ps, optim_bits=32, **HYPER),
+             dtypes=("fp32",), note="32-bit states"),
+        Spec("torch_adamw_fused", "torch", 32, lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER),
+             note="states in param dtype"),
+        Spec("bnb_adamw8bit", "bnb", 8, lambda ps: _bnb().optim.AdamW8bit(ps, **HYPER)),
+        Spec("bnb_paged_adamw8bit", "bnb", 8, lambda ps: _bnb().optim.PagedAdamW8bit(ps, **HYPER),
+             page_out=_page_out_bnb, paged_bytes=_paged_bytes_bnb),
+    ]
+    if not args.no_torchao:
+        sets = ("tinyllama", "small") if args.torchao_small else ("tinyllama",)
+        dtypes = ("fp32", "bf16") if args.torchao_bf16 else ("fp32",)
+        specs.append(Spec("torchao_adamw8bit", "torchao", 8,
+                          lambda ps: _torchao_adamw8bit()(ps, block_size=256, **HYPER), sets=sets, dtypes=dtypes,
+                          warmup=args.torchao_warmup, repeat=args.torchao_repeat, min_budget_s=75,
+                          note="torch.compile on first step"))
+    return specs
+
+
+def selected(spec: Spec, only: list[str]) -> bool:
+    if not only:
+        return True
+    return any(spec.name == o or spec.name.startswith(o) or spec.family == o for o in only)
+
+
+def floor_bytes_per_param(bits: int, dtype: str) -> int:
+    if bits == 8:
+        return 16 if dtype == "fp32" else 10
+    return 28 if dtype == "fp32" else 14
+
+
+def _plain(obj):
+    if obj is None or isinstance(obj, (int, float, str, bool, dict, list)):
+        return obj
+    if callable(getattr(obj, "as_dict", None)):
+        return obj.as_dict()
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    if hasattr(obj, "_asdict"):
+        return obj._asdict()
+    if hasattr(obj, "__dict__"):
+        return {k: v for k, v in vars(obj).items() if not k.startswith("_")}
+    return repr(obj)
+
+
+# --------------------------------------------------------------------------- one case
+class Runner:
+    def __init__(self, args, device, res, out_json):
+        self.args, self.device, self.res, self.out_json = args, device, res, out_json
+        self.copy_gbps = None
+        self.t_start = time.perf_counter()
+        self.managed_reserved = 0
+        self.broken = False
+
+    def budget_left(self) -> float:
+        if not self.args.time_budget:
+            return float("inf")
+        return self.args.time_budget - (time.perf_counter() - self.t_start)
+
+    def save(self):
+        self.res["wall_s"] = round(time.perf_counter() - self.t_start, 2)
+        if self.out_json:
+            C.write_json(self.out_json, self.res)
+
+    def add(self, case: dict):
+        self.res["cases"].append(case)
+        flag = ("ERROR: " + case["error"]) if case.get("error") else (
+            ("skipped: " + case["skipped"]) if case.get("skipped") else "")
+        msg = f"  {case['name']:<26} {case['set']:<9} {case['dtype']:<4} {case['mode']:<13} "
+        msg += flag if flag else (f"{C.fmt(case.get('median_ms'), 3)} ms  "
+                                                 f"{C.fmt(case.get('gbps'), 0)} GB/s")
+        print(msg, flush=True)
+        self.save()
+
+    def run(self, spec: Spec, params, set_name: str, dtype: str):
+        args, device = self.args, self.device
+        n = sum(p.numel() for p in params)
+        base = {"name": spec.name, "family": spec.family, "set": set_name, "dtype": dtype, "mode": "resident",
+                "n_params": n, "n_tensors": len(params), "bits": spec.bits,
+                "floor_bytes_per_param": floor_bytes_per_param(spec.bits, dtype), "note": spec.note}
+        if self.broken:
+            self.add({**base, "skipped": "CUDA context broken by an earlier case"})
+            return
+        if self.budget_left() < max(spec.min_budget_s, 5.0):
+            self.add({**base, "skipped": f"time budget ({args.time_budget} s) nearly spent"})
+            return
+        est_managed = int(n * 2.1) + (1 << 20)
+        if spec.page_out is not None and C.is_cuda(device):
+            free, _ = torch.cuda.mem_get_info(device)
+            if self.managed_reserved + est_managed > MANAGED_LIMIT or est_managed * 2 > free:
+                self.add({**base, "skipped": f"managed memory guard (reserved {self.managed_reserved / C.GiB:.1f} GiB"
+                          f" + {est_managed / C.GiB:.1f} GiB, free {free / C.GiB:.1f} GiB)"})
+                return
+            self.managed_reserved += est_managed
+        warmup = args.warmup if spec.warmup is None else spec.warmup
+        repeat = args.repeat if spec.repeat is None else spec.repeat
+        opt = None
+        try:
+            C.reinit_params(params, args.seed)
+            C.free_memory()
+            alloc0 = C.cuda_allocated(device)
+            opt = spec.make(params)
+            first_ms = C.host_time_ms(opt.step, device)      # creates the states (torchao: compiles)
+            times = C.time_ms(opt.step, device, max(0, warmup - 1), repeat)
+            st = C.stats(times)
+            floor = base["floor_bytes_per_param"] * n
+            case = {**base, **st, "first_step_ms": first_ms, "warmup": warmup,
+                    "gbps": C.gbps(floor, st["median_ms"]),
+                    "floor_ms": None if not self.copy_gbps else floor / (self.copy_gbps * C.GB) * 1e3,
+                    "state_bytes": C.state_bytes(opt),
+                    "alloc_delta_bytes": C.cuda_allocated(device) - alloc0 if C.is_cuda(device) else None,
+                    "finite": C.all_finite(params)}
+            case["frac_copy"] = (case["gbps"] / self.copy_gbps) if (case["gbps"] and self.copy_gbps) else None
+            if hasattr(opt, "state_bytes") and callable(opt.state_bytes):
+                try:
+                    case["own_state_bytes"] = int(opt.state_bytes())
+                except Exception as e:
+                    case["own_state_bytes"] = C.short_error(e)
+            if spec.paged_bytes is not None:
+                case["paged_bytes"] = spec.paged_bytes(opt)
+            if hasattr(opt, "paging_stats"):
+                try:
+                    case["paging_stats"] = _plain(opt.paging_stats())
+                except Exception as e:
+                    case["paging_stats"] = C.short_error(e)
+            self.add(case)
+            if spec.page_out is not None and not args.no_pageout:
+                self.add(self.after_page_out(spec, opt, case))
+        except Exception as e:
+            err = C.short_error(e)
+            if args.verbose:
+                traceback.print_exc()
+            self.add({**base, "error" if spec.family == "pagedopt" else "skipped": err})
+            if not C.cuda_context_ok(device):
+                self.broken = True
+                print("  CUDA context is broken; the remaining cases are skipped", flush=True)
+        finally:
+            del opt
+            C.free_memory()
+
+    def after_page_out(self, spec: Spec, opt, resident: dict) -> dict:
+        device = self.device
+        case = {**{k: resident[k] for k in ("name", "family", "set", "dtype", "n_params", "n_tensors", "bits",
+                                            "floor_bytes_per_param", "note")}, "mode": "after_pageout"}
+        try:
+            out_ms, step_ms, nbytes = [], [], 0
+            for i in range(self.args.pageout_repeat):
+                C.sync(device)
+                t0 = time.perf_counter()
+                nbytes = spec.page_out(opt)
+                C.sync(device)
+                out_ms.append((time.perf_counter() - t0) * 1e3)
+                if i == 0 and hasattr(opt, "paging_stats"):
+                    try:
+                        case["paging_stats_after_page_out"] = _plain(opt.paging_stats())
+                    except Exception as e:
+                        case["paging_stats_after_page_out"] = C.short_error(e)
+                step_ms.append(C.time_ms(opt.step, device, warmup=0, repeat=1)[0])
+            if not nbytes and isinstance(case.get("paging_stats_after_page_out"), dict):
+                nbytes = int(case["paging_stats_after_page_out"].get("host_bytes") or 0)
+            st = C.stats(step_ms)
+            extra = st["median_ms"] - resident["median_ms"]
+            case.update(st)
+            case.update(paged_bytes=nbytes, page_out_ms=statistics.median(out_ms), page_out_all_ms=out_ms,
+                        page_out_gbps=C.gbps(nbytes, statistics.median(out_ms)),
+                        extra_ms_vs_resident=extra,
+                        pagein_gbps_est=C.gbps(nbytes, extra) if extra > 0 and nbytes else None,
+                        gbps=None, frac_copy=None, finite=C.all_finite(opt.param_groups[0]["params"]))
+            if hasattr(opt, "paging_stats"):
+                try:
+                    case["paging_stats"] = _plain(opt.paging_stats())
+                except Exception as e:
+                    case["paging_stats"] = C.short_error(e)
+        except Exception as e:
+            if self.args.verbose:
+                traceback.print_exc()
+            case["error" if spec.family == "pagedopt" else "skipped"] = C.short_error(e)
+        return case
+
+
+# --------------------------------------------------------------------------- main
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, CPU, pagedopt only (seconds)")
+    ap.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
+    ap.add_argument("--out", default=None, help="folder for bench_step.json and bench_step.png")
+    ap.add_argument("--only", default="", help="comma list of names, prefixes or families "
+                    "(pagedopt, torch, bnb, torchao; e.g. pagedopt_adamw8bit,bnb)")
+    ap.add_argument("--sets", default="tinyllama,small")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="for the TinyLlama set")
+    ap.add_argument("--small-dtypes", default="fp32", help="for the many-small-tensors set")
+    ap.add_argument("--warmup", type=int, default=C.DEFAULT_WARMUP)
+    ap.add_argument("--repeat", type=int, default=C.DEFAULT_REPEAT)
+    ap.add_argument("--scale", type=float, default=1.0, help="width multiplier for the TinyLlama set")
+    ap.add_argument("--layers", type=int, default=22)
+    ap.add_argument("--small-n", type=int, default=2000)
+    ap.add_argument("--small-side", type=int, default=256)
+    ap.add_argument("--copy-mib", type=int, default=2048, help="buffer size of the copy-bandwidth probe")
+    ap.add_argument("--pinned-mib", type=int, default=1024)
+    ap.add_argument("--pageout-repeat", type=int, default=3)
+    ap.add_argument("--no-pageout", action="store_true")
+    ap.add_argument("--no-torchao", action="store_true")
+    ap.add_argument("--torchao-bf16", action="store_true", help="also bf16 params (a second compile)")
+    ap.add_argument("--torchao-small", action="store_true", help="also the small set (about 0.9 s/step)")
+    ap.add_argument("--torchao-warmup", type=int, default=2)
+    ap.add_argument("--torchao-repeat", type=int, default=3)
+    ap.add_argument("--time-budget", type=float, default=0, help="seconds; later cases are skipped past it")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failed cases")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.device = args.device or "cpu"
+        args.scale, args.layers = 1 / 32, 2
+        args.small_n, args.small_side = 16, 64
+        args.warmup, args.repeat = 2, 3
+        args.copy_mib, args.pinned_mib = 16, 16
+        args.pageout_repeat = 1
+        args.no_torchao = True
+        args.only = args.only or "pagedopt"
+    args.device = args.device or "cuda"
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    device = torch.device(args.device)
+    if C.is_cuda(device) and not torch.cuda.is_available():
+        print("CUDA is not available; use --smoke or --device cpu", file=sys.stderr)
+        return 2
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    out_json = os.path.join(args.out, "bench_step.json") if args.out else None
+    try:  # import the optional peers first, so their versions land in env
+        import pagedopt  # noqa: F401
+    except Exception as e:
+        print(f"pagedopt import failed: {C.short_error(e)}", flush=True)
+    for mod, fam in (("bitsandbytes", "bnb"), ("torchao", "torchao")):
+        if not only or any(o.startswith(fam) for o in only):
+            if fam == "torchao" and args.no_torchao:
+                continue
+            try:
+                __import__(mod)
+            except Exception as e:
+                print(f"{mod} not importable: {C.short_error(e)}", flush=True)
+
+    res = {"bench": "step", "env": C.env_info(device), "config": {k: v for k, v in vars(args).items()},
+           "hyper": HYPER, "bandwidth": {}, "cases": []}
+    runner = Runner(args, device, res, out_json)
+    print(f"bench_step on {res['env'].get('device_name')} ({device}), torch {torch.__version__}", flush=True)
+
+    try:
+        res["bandwidth"]["copy"] = C.copy_bandwidth(device, args.copy_mib << 20)
+    except Exception as e:
+        res["bandwidth"]["copy"] = {"error": C.short_error(e)}
+    runner.copy_gbps = res["bandwidth"]["copy"].get("gbps")
+    try:
+        res["bandwidth"]["pinned"] = C.pinned_bandwidth(device, args.pinned_mib << 20)
+    except Exception as e:
+        res["bandwidth"]["pinned"] = {"error": C.short_error(e)}
+    pin = res["bandwidth"]["pinned"]
+    print(f"copy bandwidth {C.fmt(runner.copy_gbps, 0)} GB/s (read+write); pinned h2d/d2h "
+          f"{C.fmt(pin.get('h2d_gbps'), 1)}/{C.fmt(pin.get('d2h_gbps'), 1)} GB/s", flush=True)
+    runner.save()
+
+    sets = {
+        "tinyllama": (C.tinyllama_shapes(args.scale, args.layers), [d for d in args.dtypes.split(",") if d]),
+        "small": (C.small_shapes(args.small_n, args.small_side), [d for d in args.small_dtypes.split(",") if d]),
+    }
+    specs = [s for s in build_specs(args) if selected(s, only)]
+    # plan: (set, dtype, spec) groups; slow compiled peers (torchao) go last so a time limit costs only them
+    plan = []
+    for late in (False, True):
+        for set_name in [s for s in args.sets.split(",") if s]:
+            if set_name not in sets:
+                print(f"unknown set {set_name!r}", file=sys.stderr)
+                return 2
+            shapes, dtypes = sets[set_name]
+            for dtype in dtypes:
+                if dtype not in DTYPES:
+                    print(f"unknown dtype {dtype!r}", file=sys.stderr)
+                    return 2
+                for spec in specs:
+                    if (spec.min_budget_s > 0) == late and set_name in spec.sets and dtype in spec.dtypes:
+                        plan.append((set_name, dtype, spec))
+    res["plan"] = [f"{s}/{d}/{sp.name}" for s, d, sp in plan]
+
+    params, current = None, None
+    for set_name, dtype, spec in plan:
+        if current != (set_name, dtype):
+            params = None
+            C.free_memory()
+            shapes = sets[set_name][0]
+            print(f"set {set_name} {dtype}: {len(shapes)} tensors, {C.numel_of(shapes) / 1e6:.1f}M params",
+                  flush=True)
+            try:
+                params = C.make_params(shapes, DTYPES[dtype], device, args.seed)
+            except Exception as e:
+                runner.add({"name": spec.name, "family": spec.family, "set": set_name, "dtype": dtype,
+                            "mode": "resident", "error": "making params: " + C.short_error(e)})
+                current = None
+                continue
+            current = (set_name, dtype)
+        runner.run(spec, params, set_name, dtype)
+    params = None
+    C.free_memory()
+
+    runner.save()
+    if args.out and not args.no_plot:
+        try:
+            import plot
+            png = os.path.join(args.out, "bench_step.png")
+            plot.plot_step(res, png)
+            print(f"wrote {png}")
+        except Exception as e:
+            print(f"plot skipped: {C.short_error(e)}")
+    if out_json:
+        print(f"wrote {out_json}")
+    print()
+    print(C.step_table(res))
+    failed = [c for c in res["cases"] if c.get("error")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The benches' --smoke modes run on CPU in seconds and write valid JSON (and a PNG when
+matplotlib is there). Keeps bench/ from rotting between device runs."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+
+
+def _load_common():
+    spec = importlib.util.spec_from_file_location("pagedopt_bench_common", os.path.join(BENCH, "common.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(args, timeout=120):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{args} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def _has_matplotlib():
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _positive(x):
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_param_sets():
+    C = _load_common()
+    shapes = C.tinyllama_shapes()
+    assert len(shapes) == 22 * 9 + 3 == 201
+    n = C.numel_of(shapes)
+    assert 1.09e9 < n < 1.11e9, n
+    assert dict(shapes)["layers.0.k_proj"] == (256, 2048)
+    assert dict(shapes)["lm_head"] == (32000, 2048)
+    small = C.small_shapes()
+    assert len(small) == 2000 and C.numel_of(small) == 2000 * 256 * 256
+    tiny = C.tinyllama_shapes(scale=1 / 32, layers=2)
+    assert len(tiny) == 2 * 9 + 3 and C.numel_of(tiny) < 1e6
+    import torch
+    params = C.make_params(tiny[:3], torch.float32, "cpu", seed=0)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 and p.abs().sum() > 0 for p in params)
+    assert C.all_finite(params)
+    ms = C.time_ms(lambda: params[0].grad.mul_(1.0), "cpu", warmup=1, repeat=3)
+    assert len(ms) == 3 and all(t >= 0 for t in ms)
+
+
+def test_bench_step_smoke(tmp_path):
+    out = tmp_path / "step"
+    proc = _run([os.path.join("bench", "bench_step.py"), "--smoke", "--out", str(out)])
+    doc = json.loads((out / "bench_step.json").read_text())
+    for key in ("bench", "env", "config", "bandwidth", "cases", "plan"):
+        assert key in doc, key
+    assert doc["bench"] == "step"
+    for key in ("date", "torch", "device_name", "python"):
+        assert doc["env"].get(key), key
+    assert _positive(doc["bandwidth"]["copy"]["gbps"])
+    cases = {(c["name"], c["set"], c["dtype"], c["mode"]): c for c in doc["cases"]}
+    expected = [("pagedopt_adamw8bit", "tinyllama", "fp32"), ("pagedopt_adamw8bit", "tinyllama", "bf16"),
+                ("pagedopt_adamw8bit", "small", "fp32"), ("pagedopt_paged_adamw8bit", "tinyllama", "fp32"),
+                ("pagedopt_paged_adamw8bit", "tinyllama", "bf16"), ("pagedopt_paged_adamw8bit", "small", "fp32")]
+    for name, set_name, dtype in expected:
+        c = cases.get((name, set_name, dtype, "resident"))
+        assert c is not None, (name, set_name, dtype)
+        assert not c.get("error") and not c.get("skipped"), c
+        for key in ("median_ms", "gbps", "frac_copy", "state_bytes", "n_params", "first_step_ms"):
+            assert _positive(c.get(key)), (name, key, c.get(key))
+        assert c["finite"] is True
+        assert c["n"] == doc["config"]["repeat"]
+    for set_name, dtype in (("tinyllama", "fp32"), ("tinyllama", "bf16"), ("small", "fp32")):
+        c = cases.get(("pagedopt_paged_adamw8bit", set_name, dtype, "after_pageout"))
+        assert c is not None and not c.get("error"), c
+        assert _positive(c["median_ms"])
+    # the 8-bit states are about 2 bytes per parameter, far under fp32 AdamW's 8
+    c = cases[("pagedopt_adamw8bit", "tinyllama", "fp32", "resident")]
+    assert c["state_bytes"] < 4 * c["n_params"]
+    if _has_matplotlib():
+        assert (out / "bench_step.png").stat().st_size > 1000
+    assert "optimizer" in proc.stdout  # the closing table
+
+
+def test_bench_quant_smoke(tmp_path):
+    out = tmp_path / "quant"
+    _run([os.path.join("bench", "bench_quant.py"), "--smoke", "--out", str(out)])
+    doc = json.loads((out / "bench_quant.json").read_text())
+    for key in ("bench", "env", "config", "bandwidth", "cases", "checks"):
+        assert key in doc, key
+    assert doc["bench"] == "quant"
+    cases = {(c["name"], c["dtype"]): c for c in doc["cases"]}
+    for name in ("pagedopt_quantize", "pagedopt_dequantize", "torch_absmax", "torch_quantize_eager"):
+        for dtype in ("fp32", "bf16"):
+            c = cases.get((name, dtype))
+            assert c is not None and not c.get("error"), (name, dtype, c)
+            assert _positive(c["median_ms"]) and _positive(c["gbps"]) and _positive(c["floor_bytes"])
+    for dtype in ("fp32", "bf16"):
+        chk = doc["checks"][dtype]
+        assert chk.get("pagedopt_codes_mismatch_vs_reference", 1.0) < 0.01, chk
+        assert chk.get("pagedopt_absmax_equal_reference") is True, chk
+    if _has_matplotlib():
+        assert (out / "bench_quant.png").stat().st_size > 1000
+
+
+def test_merge_and_summary(tmp_path):
+    # merge two bench JSONs the way scripts/device_check.sh does, then print the summary
+    C = _load_common()
+    step = {"bench": "step", "env": {"device_name": "cpu"}, "bandwidth": {"copy": {"gbps": 1.0}},
+            "cases": [{"name": "x", "set": "s", "dtype": "fp32", "mode": "resident", "median_ms": 1.0,
+                       "gbps": 2.0, "frac_copy": 0.5, "state_bytes": 1 << 20}]}
+    quant = {"bench": "quant", "cases": [{"name": "q", "dtype": "fp32", "median_ms": 1.0, "gbps": 3.0}]}
+    C.write_json(str(tmp_path / "bench_step.json"), step)
+    C.write_json(str(tmp_path / "bench_quant.json"), quant)
+    merged = str(tmp_path / "results.json")
+    _run([os.path.join("bench", "common.py"), "merge", merged, str(tmp_path / "bench_step.json"),
+          str(tmp_path / "bench_quant.json"), "paging=" + str(tmp_path / "missing.json")])
+    doc = json.loads(open(merged).read())
+    assert set(doc) == {"step", "quant", "paging"} and "missing" in doc["paging"]
+    proc = _run([os.path.join("bench", "common.py"), "summary", merged])
+    assert "optimizer" in proc.stdout and "op" in proc.stdout
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
