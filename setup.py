@@ -74,6 +74,11 @@ def build_extension():
     if with_cuda:
         os.environ["CUDA_HOME"] = cuda_home
         cpp_extension.CUDA_HOME = cuda_home
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            # torch picks the archs of the visible GPUs; with none (CI, build machines) it has
+            # nothing to pick. One arch proves the sources compile and link; release builds set
+            # TORCH_CUDA_ARCH_LIST to the archs they ship (e.g. "8.0;8.6;9.0").
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
         sources += sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/paging/*.cpp"))
         for d in _wheel_cuda_includes():
             cxx += ["-isystem", d]

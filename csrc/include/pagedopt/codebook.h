@@ -11,7 +11,7 @@ namespace pagedopt {
 // (the same answer as argmin(|code - x|)). `code` must be sorted ascending.
 PAGEDOPT_HOST_DEVICE uint8_t nearest_code(const float* code, float x) {
   int idx = 0;
-#pragma unroll
+PAGEDOPT_UNROLL
   for (int step = kCodebookSize / 2; step > 0; step >>= 1) {
     if (code[idx + step] <= x) idx += step;
   }

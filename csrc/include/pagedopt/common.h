@@ -4,8 +4,10 @@
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define PAGEDOPT_HOST_DEVICE __host__ __device__ __forceinline__
+#define PAGEDOPT_UNROLL _Pragma("unroll")
 #else
 #define PAGEDOPT_HOST_DEVICE inline
+#define PAGEDOPT_UNROLL
 #endif
 
 namespace pagedopt {
