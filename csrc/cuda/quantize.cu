@@ -1,0 +1,264 @@
+// CUDA blockwise quantize / dequantize. Same results as csrc/cpu/quantize.cpp, bit for bit:
+// the same absmax (an exact max), IEEE division for x / absmax, and nearest_code (or the exact
+// table search of multi_tensor.cuh, which returns the same code for every float).
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "multi_tensor.cuh"
+#include "pagedopt/checks.h"
+#include "pagedopt/codebook.h"
+
+namespace pagedopt {
+namespace {
+
+using namespace cuda_detail;
+
+constexpr int kThreads = 256;
+constexpr int kWarpsPerBlock = kThreads / kWarp;
+// Below this many elements the table build (one extra small launch) does not pay for itself.
+constexpr int64_t kFastTableMinNumel = int64_t{1} << 22;
+
+__global__ void __launch_bounds__(kTableThreads) build_table_kernel(const float* __restrict__ code,
+                                                                      CodeTable* __restrict__ table) {
+  build_code_table_block(code, table, blockIdx.x);
+}
+
+// One warp per quantization block of 256: 8 consecutive elements per lane (one 16- or 32-byte
+// load), codes stored as one 8-byte word per lane. Tail blocks and unaligned inputs take a
+// strided scalar path (element lo + k * 32 + lane).
+template <typename T, bool kFast>
+__device__ __forceinline__ void quantize_block256(const T* __restrict__ x, int64_t n, int64_t b, bool vec_ok,
+                                                  const SmemCode& sc, uint8_t* __restrict__ codes,
+                                                  float* __restrict__ absmax, int lane) {
+  const int64_t lo = b * 256;
+  const bool full = vec_ok && lo + 256 <= n;
+  float v[8];
+  if (full) {
+    Elem<T>::load8(x + lo + lane * 8, v);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int64_t i = lo + k * kWarp + lane;
+      v[k] = i < n ? Elem<T>::load(x + i) : 0.0f;  // zeros do not change the max
+    }
+  }
+  float mx = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) mx = max_like_cpu(mx, fabsf(v[k]));
+  mx = warp_max(mx);
+  uint32_t c[8];
+  if (mx > 0.0f) {  // warp-uniform
+    const Divisor d = make_divisor(mx);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) c[k] = sc.nearest<kFast>(div_by_absmax(v[k], d));
+  } else {  // normalize_by_absmax is 0 for every element
+    const uint32_t z = sc.nearest<kFast>(0.0f);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) c[k] = z;
+  }
+  if (full) {
+    *reinterpret_cast<uint2*>(codes + lo + lane * 8) = pack8(c);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int64_t i = lo + k * kWarp + lane;
+      if (i < n) codes[i] = static_cast<uint8_t>(c[k]);
+    }
+  }
+  if (lane == 0) absmax[b] = mx;
+}
+
+// Any blocksize (a multiple of 32 up to 4096): one warp per block, two strided passes.
+template <typename T, bool kFast>
+__device__ __forceinline__ void quantize_block_generic(const T* __restrict__ x, int64_t n, int64_t b,
+                                                       int64_t blocksize, const SmemCode& sc,
+                                                       uint8_t* __restrict__ codes, float* __restrict__ absmax,
+                                                       int lane) {
+  const int64_t lo = b * blocksize;
+  const int64_t len = std::min(blocksize, n - lo);
+  float mx = 0.0f;
+  for (int64_t i = lane; i < len; i += kWarp) mx = max_like_cpu(mx, fabsf(Elem<T>::load(x + lo + i)));
+  mx = warp_max(mx);
+  const Divisor d = make_divisor(mx);
+  for (int64_t i = lane; i < len; i += kWarp) {
+    const float xv = Elem<T>::load(x + lo + i);
+    codes[lo + i] = static_cast<uint8_t>(sc.nearest<kFast>(mx > 0.0f ? div_by_absmax(xv, d) : 0.0f));
+  }
+  if (lane == 0) absmax[b] = mx;
+}
+
+template <typename T, bool kBlock256, bool kFast>
+__device__ __forceinline__ void quantize_loop(const T* __restrict__ x, int64_t n, int64_t blocksize,
+                                              int64_t nblocks, bool vec_ok, const SmemCode& sc,
+                                              uint8_t* __restrict__ codes, float* __restrict__ absmax) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp; b < nblocks;
+       b += warps) {
+    if (kBlock256) {
+      quantize_block256<T, kFast>(x, n, b, vec_ok, sc, codes, absmax, lane);
+    } else {
+      quantize_block_generic<T, kFast>(x, n, b, blocksize, sc, codes, absmax, lane);
+    }
+  }
+}
+
+template <typename T, bool kBlock256>
+__global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict__ x, int64_t n, int64_t blocksize,
+                                                              int64_t nblocks, bool vec_ok,
+                                                              const float* __restrict__ code,
+                                                              const CodeTable* __restrict__ table,
+                                                              uint8_t* __restrict__ codes,
+                                                              float* __restrict__ absmax) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const bool fast = load_smem_code(smem, code, table);
+  const SmemCode sc = smem_code_view(smem);
+  if (fast) {
+    quantize_loop<T, kBlock256, true>(x, n, blocksize, nblocks, vec_ok, sc, codes, absmax);
+  } else {
+    quantize_loop<T, kBlock256, false>(x, n, blocksize, nblocks, vec_ok, sc, codes, absmax);
+  }
+}
+
+// Each thread writes 8 consecutive outputs (blocksize is a multiple of 8, so they share a block).
+template <typename T, bool kPow2>
+__global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __restrict__ q,
+                                                                const float* __restrict__ absmax,
+                                                                const float* __restrict__ code, T* __restrict__ out,
+                                                                int64_t n, int64_t blocksize, int shift,
+                                                                bool vec_ok) {
+  __shared__ float s_code[kCodebookSize];
+  for (int i = threadIdx.x; i < kCodebookSize; i += blockDim.x) s_code[i] = code[i];
+  __syncthreads();
+  const int64_t groups = ceil_div(n, 8);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t gi = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; gi < groups; gi += stride) {
+    const int64_t i0 = gi * 8;
+    const float a = absmax[kPow2 ? (i0 >> shift) : (i0 / blocksize)];
+    if (vec_ok && i0 + 8 <= n) {
+      const uint2 w = *reinterpret_cast<const uint2*>(q + i0);
+      float o[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o[k] = __fmul_rn(s_code[byte_of(w, k)], a);
+      Elem<T>::store8(out + i0, o);
+    } else {
+      for (int64_t i = i0; i < n && i < i0 + 8; ++i) Elem<T>::store(out + i, __fmul_rn(s_code[q[i]], a));
+    }
+  }
+}
+
+int grid_for(int64_t work_items, int per_block, int blocks_per_sm) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t want = ceil_div(work_items, per_block);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t{sms} * blocks_per_sm)));
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda(const at::Tensor& x_in, const at::Tensor& code,
+                                                           int64_t blocksize) {
+  check_blocksize(blocksize);
+  TORCH_CHECK(is_supported_param_dtype(x_in.scalar_type()), "quantize_blockwise: x has unsupported dtype ",
+              x_in.scalar_type());
+  check_codebook(code, "code", x_in.device());
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t n = x.numel();
+  const int64_t blocks = ceil_div(n, blocksize);
+  at::Tensor codes = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  at::Tensor absmax = at::empty({blocks}, x.options().dtype(at::kFloat));
+  if (n == 0) return {codes, absmax};
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  at::Tensor table_buf;
+  const CodeTable* table = nullptr;
+  if (n >= kFastTableMinNumel) {
+    table_buf = at::empty({static_cast<int64_t>(sizeof(CodeTable))}, x.options().dtype(at::kByte));
+    build_table_kernel<<<kTableBlocks, kTableThreads, 0, stream>>>(code.data_ptr<float>(),
+                                                                   reinterpret_cast<CodeTable*>(table_buf.data_ptr()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    table = reinterpret_cast<const CodeTable*>(table_buf.data_ptr());
+  }
+  const bool vec_ok = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  const int grid = grid_for(blocks, kWarpsPerBlock, 8);
+  auto launch = [&](auto* xs) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(xs)>>;
+    if (blocksize == 256) {
+      quantize_kernel<T, true><<<grid, kThreads, kSmemCodeBytes, stream>>>(
+          xs, n, blocksize, blocks, vec_ok, code.data_ptr<float>(), table, codes.data_ptr<uint8_t>(),
+          absmax.data_ptr<float>());
+    } else {
+      quantize_kernel<T, false><<<grid, kThreads, kSmemCodeBytes, stream>>>(
+          xs, n, blocksize, blocks, vec_ok, code.data_ptr<float>(), table, codes.data_ptr<uint8_t>(),
+          absmax.data_ptr<float>());
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: launch(static_cast<const float*>(x.const_data_ptr())); break;
+    case at::kBFloat16: launch(static_cast<const c10::BFloat16*>(x.const_data_ptr())); break;
+    case at::kHalf: launch(static_cast<const c10::Half*>(x.const_data_ptr())); break;
+    default: TORCH_INTERNAL_ASSERT(false);
+  }
+  return {codes, absmax};
+}
+
+at::Tensor dequantize_blockwise_cuda(const at::Tensor& codes_in, const at::Tensor& absmax_in, const at::Tensor& code,
+                                     int64_t blocksize, at::ScalarType dtype) {
+  check_blocksize(blocksize);
+  TORCH_CHECK(codes_in.scalar_type() == at::kByte, "dequantize_blockwise: codes must be uint8, got ",
+              codes_in.scalar_type());
+  TORCH_CHECK(absmax_in.scalar_type() == at::kFloat, "dequantize_blockwise: absmax must be float32, got ",
+              absmax_in.scalar_type());
+  TORCH_CHECK(is_supported_param_dtype(dtype), "dequantize_blockwise: unsupported output dtype ", dtype);
+  check_codebook(code, "code", codes_in.device());
+  TORCH_CHECK(absmax_in.device() == codes_in.device(), "dequantize_blockwise: absmax is on ", absmax_in.device(),
+              " but codes are on ", codes_in.device());
+  const c10::cuda::CUDAGuard guard(codes_in.device());
+  const at::Tensor codes = codes_in.contiguous();
+  const at::Tensor absmax = absmax_in.contiguous();
+  const int64_t n = codes.numel();
+  const int64_t blocks = ceil_div(n, blocksize);
+  TORCH_CHECK(absmax.numel() == blocks, "dequantize_blockwise: absmax must have ", blocks, " elements for ", n,
+              " codes in blocks of ", blocksize, ", got ", absmax.numel());
+  at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(dtype));
+  if (n == 0) return out;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool vec_ok = reinterpret_cast<uintptr_t>(codes.data_ptr()) % 8 == 0 &&
+                      reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
+  const bool pow2 = (blocksize & (blocksize - 1)) == 0;
+  int shift = 0;
+  while ((int64_t{1} << shift) < blocksize) ++shift;
+  const int grid = grid_for(ceil_div(n, 8), kThreads, 16);
+  auto launch = [&](auto* os) {
+    using T = std::remove_pointer_t<decltype(os)>;
+    if (pow2) {
+      dequantize_kernel<T, true><<<grid, kThreads, 0, stream>>>(
+          codes.data_ptr<uint8_t>(), absmax.data_ptr<float>(), code.data_ptr<float>(), os, n, blocksize, shift, vec_ok);
+    } else {
+      dequantize_kernel<T, false><<<grid, kThreads, 0, stream>>>(
+          codes.data_ptr<uint8_t>(), absmax.data_ptr<float>(), code.data_ptr<float>(), os, n, blocksize, shift, vec_ok);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  switch (dtype) {
+    case at::kFloat: launch(static_cast<float*>(out.data_ptr())); break;
+    case at::kBFloat16: launch(static_cast<c10::BFloat16*>(out.data_ptr())); break;
+    case at::kHalf: launch(static_cast<c10::Half*>(out.data_ptr())); break;
+    default: TORCH_INTERNAL_ASSERT(false);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pagedopt, CUDA, m) {
+  m.impl("quantize_blockwise", &quantize_blockwise_cuda);
+  m.impl("dequantize_blockwise", &dequantize_blockwise_cuda);
+}
+
+}  // namespace pagedopt

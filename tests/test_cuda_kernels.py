@@ -1,0 +1,612 @@
+"""The CUDA kernels against the CPU kernels (and the pure-torch reference), bit for bit.
+
+The CUDA ops compute the same function as the CPU ops: the same absmax, IEEE divisions, the same
+nearest-code rule (an exact table search on the GPU, checked here around every code midpoint) and
+the element math of pagedopt/adam.h with no FMA contraction. So codes, absmax and params are
+compared bitwise. The one caveat, documented in csrc/cuda/multi_tensor.cuh (pow_step): the bias
+corrections use beta^t in double; glibc's pow is misrounded in about 1 of 2500 calls and the GPU's
+value is the correctly rounded one, which changes a float constant only if the double lies within a
+few double ulps of a float rounding boundary (< 1e-8 per tensor and step).
+
+Every test needs a GPU and a build of pagedopt with its CUDA kernels.
+"""
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+_ops = pytest.importorskip("pagedopt._ops")
+quant = pytest.importorskip("pagedopt.quant")
+
+if torch.cuda.is_available() and not _ops.has_cuda_kernels():
+    pytestmark.append(pytest.mark.skip(reason="pagedopt was built without its CUDA kernels"))
+
+STATE_BLOCK = quant.STATE_BLOCK_SIZE
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CUDA = torch.device("cuda")
+# Inputs of at least this many elements make quantize_blockwise use the table search.
+TABLE_NUMEL = 1 << 22
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.float32:
+        return t.view(torch.int32)
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16)
+    return t
+
+
+def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = _bits(actual), _bits(expected)
+    if not torch.equal(a, e):
+        bad = (a != e).reshape(-1).nonzero().reshape(-1)
+        i = bad[:5].tolist()
+        fa, fe = actual.detach().cpu().reshape(-1), expected.detach().cpu().reshape(-1)
+        raise AssertionError(f"{what}: {bad.numel()} of {a.numel()} elements differ; first at {i}: "
+                             f"got {fa[i].tolist()}, expected {fe[i].tolist()}")
+
+
+def rand_nonzero(n: int, gen: torch.Generator, dtype=torch.float32, spread: float = 1.0) -> torch.Tensor:
+    """Random values over several orders of magnitude, never zero (also after rounding to dtype)."""
+    x = torch.randn(n, generator=gen) * torch.exp(spread * torch.randn(n, generator=gen))
+    x = x.to(dtype)
+    x[x == 0] = 1e-3
+    return x
+
+
+def codebooks(device="cpu", shuffle_seed=None):
+    code1, code2 = quant.dynamic_codebook(True), quant.dynamic_codebook(False)
+    if shuffle_seed is not None:  # not sorted: the kernels must fall back to nearest_code itself
+        g = torch.Generator().manual_seed(shuffle_seed)
+        code1 = code1[torch.randperm(256, generator=g)].contiguous()
+    return code1.to(device), code2.to(device)
+
+
+def make_state(n: int, dtype, gen: torch.Generator):
+    """One tensor's param, grad and an already-populated 8-bit state (as after some steps)."""
+    blocks = (n + STATE_BLOCK - 1) // STATE_BLOCK
+    return dict(
+        p=rand_nonzero(n, gen, dtype, 0.5),
+        g=rand_nonzero(n, gen, dtype, 1.0),
+        q1=torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8),
+        q2=torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8),
+        a1=torch.rand(blocks, generator=gen) * 0.1 + 1e-4,
+        a2=torch.rand(blocks, generator=gen) * 0.01 + 1e-6,
+    )
+
+
+STATE_KEYS = ("p", "q1", "q2", "a1", "a2")
+
+
+def clone_to(tensors, device):
+    return [{k: v.clone().to(device) for k, v in t.items()} for t in tensors]
+
+
+def step(tensors, steps, code1, code2, h, grads=None, grad_scale=None, found_inf=None):
+    dev = tensors[0]["p"].device if tensors else code1.device
+    _ops.adam8bit_step_(
+        [t["p"] for t in tensors], grads if grads is not None else [t["g"] for t in tensors],
+        [t["q1"] for t in tensors], [t["q2"] for t in tensors], [t["a1"] for t in tensors],
+        [t["a2"] for t in tensors], [torch.tensor(float(s), device=dev) for s in steps], code1, code2,
+        lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"], weight_decay=h["wd"],
+        decoupled=h["decoupled"], grad_scale=grad_scale, found_inf=found_inf)
+
+
+def assert_states_equal(got, expected, what=""):
+    for i, (a, b) in enumerate(zip(got, expected)):
+        for k in STATE_KEYS:
+            assert_bitwise(a[k], b[k], f"{what}tensor {i} {k} (numel {b['p'].numel()}, {b['p'].dtype})")
+
+
+hyper = st.fixed_dictionaries(dict(
+    lr=st.sampled_from([1e-5, 1e-4, 1e-3, 3e-2, 0.1]),
+    beta1=st.sampled_from([0.0, 0.5, 0.9, 0.95, 0.99]),
+    beta2=st.sampled_from([0.9, 0.95, 0.99, 0.999, 0.9999]),
+    eps=st.sampled_from([1e-8, 1e-6, 1e-12, 1e-3]),
+    wd=st.sampled_from([0.0, 0.01, 0.1]),
+    decoupled=st.booleans()))
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) quantize / dequantize
+# ---------------------------------------------------------------------------------------------
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 5000), dtype=st.sampled_from(DTYPES),
+       blocksize=st.sampled_from([32, 64, 96, 128, 256, 512, 1024, 4096]), signed=st.booleans(),
+       offset=st.sampled_from([0, 1]))
+def test_quantize_dequantize_match_cpu_and_reference(seed, n, dtype, blocksize, signed, offset):
+    gen = torch.Generator().manual_seed(seed)
+    buf = rand_nonzero(n + offset, gen, dtype, 2.0)
+    x = buf[offset:]  # offset 1: an unaligned view
+    code = quant.dynamic_codebook(signed)
+    q_cpu, a_cpu = _ops.quantize_blockwise(x, code, blocksize)
+    q_gpu, a_gpu = _ops.quantize_blockwise(buf.to(CUDA)[offset:], code.to(CUDA), blocksize)
+    assert q_gpu.device.type == "cuda" and a_gpu.device.type == "cuda"
+    assert_bitwise(q_gpu, q_cpu, "codes vs CPU")
+    assert_bitwise(a_gpu, a_cpu, "absmax vs CPU")
+    q_ref, a_ref = quant.quantize_blockwise_reference(x, code, blocksize)
+    assert_bitwise(q_gpu, q_ref, "codes vs reference")
+    assert_bitwise(a_gpu, a_ref.float(), "absmax vs reference")
+    for out_dtype in DTYPES:
+        d_cpu = _ops.dequantize_blockwise(q_cpu, a_cpu, code, blocksize, out_dtype)
+        d_gpu = _ops.dequantize_blockwise(q_gpu, a_gpu, code.to(CUDA), blocksize, out_dtype)
+        assert_bitwise(d_gpu, d_cpu, f"dequantize to {out_dtype} vs CPU")
+        d_ref = quant.dequantize_blockwise_reference(q_cpu, a_cpu, code, blocksize, out_dtype)
+        assert_bitwise(d_gpu, d_ref, f"dequantize to {out_dtype} vs reference")
+
+
+def _probe_values(code: torch.Tensor) -> torch.Tensor:
+    """Normalized values at and around every midpoint of adjacent codes and every code, plus edge
+    values: where a wrong rounding or tie-break of the nearest-code search would show."""
+    c = code.double()
+    mids = ((c[1:] + c[:-1]) / 2).float()
+    vals = [mids, code.clone()]
+    up, down, cu, cd = mids.clone(), mids.clone(), code.clone(), code.clone()
+    for _ in range(3):
+        up, down = torch.nextafter(up, torch.full_like(up, 2.0)), torch.nextafter(down, torch.full_like(down, -2.0))
+        cu, cd = torch.nextafter(cu, torch.full_like(cu, 2.0)), torch.nextafter(cd, torch.full_like(cd, -2.0))
+        vals += [up, down, cu, cd]
+    tiny = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1.1754942e-38, -1.1754942e-38, 1e-30, -1e-30, 1e-7, -1e-7,
+                         0.5, -0.5, 1.0, -1.0, 0.99999994, -0.99999994])
+    vals.append(tiny)
+    v = torch.cat(vals)
+    return v[(v.abs() <= 1.0)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("signed", [True, False])
+def test_quantize_table_search_at_code_midpoints(dtype, signed):
+    """Large enough for the table search: every block holds a 1.0 (absmax = 1, so the normalized value
+    is the input itself) and 255 probes around code midpoints (rounded to the input dtype)."""
+    code = quant.dynamic_codebook(signed)
+    probes = _probe_values(code).to(dtype)
+    per_block = 255
+    blocks = TABLE_NUMEL // 256 + 3
+    reps = (blocks * per_block + probes.numel() - 1) // probes.numel()
+    body = probes.repeat(reps)[: blocks * per_block].reshape(blocks, per_block)
+    ones = torch.ones(blocks, 1, dtype=dtype)
+    x = torch.cat([body[:, :128], ones, body[:, 128:]], dim=1).reshape(-1)[:-77]  # a partial tail block
+    q_cpu, a_cpu = _ops.quantize_blockwise(x, code, 256)
+    q_gpu, a_gpu = _ops.quantize_blockwise(x.to(CUDA), code.to(CUDA), 256)
+    assert_bitwise(q_gpu, q_cpu, "codes")
+    assert_bitwise(a_gpu, a_cpu, "absmax")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("blocksize", [256, 64, 2048])
+def test_quantize_large_random(dtype, blocksize):
+    gen = torch.Generator().manual_seed(blocksize)
+    x = rand_nonzero(TABLE_NUMEL + 123, gen, dtype, 3.0)
+    x[::1000] = x[::1000] * 1e-30  # values that normalize to subnormals or tiny numbers
+    for code in (quant.dynamic_codebook(True), quant.dynamic_codebook(False)):
+        q_cpu, a_cpu = _ops.quantize_blockwise(x, code, blocksize)
+        q_gpu, a_gpu = _ops.quantize_blockwise(x.to(CUDA), code.to(CUDA), blocksize)
+        assert_bitwise(q_gpu, q_cpu, "codes")
+        assert_bitwise(a_gpu, a_cpu, "absmax")
+
+
+@pytest.mark.parametrize("n", [1000, TABLE_NUMEL + 5])
+def test_quantize_unsorted_codebook_matches_cpu(n):
+    """A codebook that is not sorted disables the table search; the GPU must still agree with the CPU."""
+    gen = torch.Generator().manual_seed(n)
+    x = rand_nonzero(n, gen)
+    code = quant.dynamic_codebook(True)[torch.randperm(256, generator=gen)].contiguous()
+    q_cpu, a_cpu = _ops.quantize_blockwise(x, code, 256)
+    q_gpu, a_gpu = _ops.quantize_blockwise(x.to(CUDA), code.to(CUDA), 256)
+    assert_bitwise(q_gpu, q_cpu, "codes")
+    assert_bitwise(a_gpu, a_cpu, "absmax")
+
+
+def test_quantize_special_values():
+    """NaN, infinities, zeros and subnormals go through the same rules as on the CPU."""
+    x = torch.tensor([float("nan"), 1.0, -2.0, 0.0, -0.0, 1e-40, -1e-40, 3.0] * 40 + [float("inf")] * 8
+                     + [0.0] * 256 + [1e-42, -1e-41] * 128)
+    code = quant.dynamic_codebook(True)
+    q_cpu, a_cpu = _ops.quantize_blockwise(x, code, 256)
+    q_gpu, a_gpu = _ops.quantize_blockwise(x.to(CUDA), code.to(CUDA), 256)
+    assert_bitwise(q_gpu, q_cpu, "codes")
+    assert_bitwise(a_gpu, a_cpu, "absmax")
+
+
+def test_quantize_empty_and_errors():
+    code = quant.dynamic_codebook(True).to(CUDA)
+    q, a = _ops.quantize_blockwise(torch.empty(0, device=CUDA), code, 256)
+    assert q.shape == (0,) and a.shape == (0,)
+    with pytest.raises(RuntimeError, match="blocksize"):
+        _ops.quantize_blockwise(torch.ones(10, device=CUDA), code, 100)
+    with pytest.raises(RuntimeError, match="dtype"):
+        _ops.quantize_blockwise(torch.ones(10, device=CUDA, dtype=torch.float64), code, 256)
+    with pytest.raises(RuntimeError, match="code"):
+        _ops.quantize_blockwise(torch.ones(10, device=CUDA), code.cpu(), 256)
+    with pytest.raises(RuntimeError, match="absmax"):
+        _ops.dequantize_blockwise(torch.zeros(300, dtype=torch.uint8, device=CUDA), torch.ones(1, device=CUDA),
+                                  code, 256)
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) adam8bit_step_ over several steps
+# ---------------------------------------------------------------------------------------------
+@given(seed=st.integers(0, 2**31 - 1), sizes=st.lists(st.integers(1, 1500), min_size=1, max_size=5),
+       dtype=st.sampled_from(DTYPES), h=hyper, first_step=st.integers(1, 3000),
+       n_steps=st.integers(1, 3), sorted_codes=st.booleans())
+def test_adam8bit_step_matches_cpu(seed, sizes, dtype, h, first_step, n_steps, sorted_codes):
+    gen = torch.Generator().manual_seed(seed)
+    cpu = [make_state(n, dtype, gen) for n in sizes]
+    gpu = clone_to(cpu, CUDA)
+    code1, code2 = codebooks(shuffle_seed=None if sorted_codes else seed)
+    code1_d, code2_d = code1.to(CUDA), code2.to(CUDA)
+    for k in range(n_steps):
+        grads = [rand_nonzero(n, gen, dtype) for n in sizes]
+        steps = [first_step + k] * len(sizes)
+        step(cpu, steps, code1, code2, h, grads=grads)
+        step(gpu, steps, code1_d, code2_d, h, grads=[g.to(CUDA) for g in grads])
+        assert_states_equal(gpu, cpu, f"after step {k + 1}: ")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("decoupled,wd", [(True, 0.1), (False, 0.01), (True, 0.0)])
+def test_adam8bit_step_large_tensors(dtype, decoupled, wd):
+    """A few large tensors (full vectorized blocks, many warps, tensors spanning warps)."""
+    gen = torch.Generator().manual_seed(7)
+    sizes = [1 << 20, 3 * 256 * 1000 + 17, 65536]
+    cpu = [make_state(n, dtype, gen) for n in sizes]
+    gpu = clone_to(cpu, CUDA)
+    code1, code2 = codebooks()
+    h = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, wd=wd, decoupled=decoupled)
+    for k in range(2):
+        step(cpu, [k + 1] * 3, code1, code2, h)
+        step(gpu, [k + 1] * 3, code1.to(CUDA), code2.to(CUDA), h)
+    assert_states_equal(gpu, cpu)
+
+
+def test_adam8bit_zero_grads_and_zero_state():
+    """All-zero blocks (absmax 0), zero moments next to nonzero ones, as in unused embedding rows."""
+    gen = torch.Generator().manual_seed(3)
+    n = 256 * 40 + 100
+    cpu = [make_state(n, torch.float32, gen)]
+    cpu[0]["g"][: 256 * 10] = 0
+    cpu[0]["g"][256 * 20: 256 * 20 + 100] = 0
+    cpu[0]["q2"][:] = 0  # code 0 of the unsigned codebook is 0.0
+    cpu[0]["a1"][:10] = 0
+    gpu = clone_to(cpu, CUDA)
+    code1, code2 = codebooks()
+    h = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.0, decoupled=True)
+    for k in range(3):
+        step(cpu, [k + 1], code1, code2, h)
+        step(gpu, [k + 1], code1.to(CUDA), code2.to(CUDA), h)
+        assert_states_equal(gpu, cpu, f"after step {k + 1}: ")
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) found_inf, (d) grad_scale
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("found", [1.0, float("inf"), float("nan")])
+def test_found_inf_skips_the_step(found):
+    gen = torch.Generator().manual_seed(11)
+    gpu = clone_to([make_state(n, torch.bfloat16, gen) for n in (1, 300, 5000)], CUDA)
+    before = clone_to(gpu, CUDA)
+    code1, code2 = codebooks(CUDA)
+    h = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.1, decoupled=True)
+    step(gpu, [5, 5, 5], code1, code2, h, found_inf=torch.tensor(found, device=CUDA),
+         grad_scale=torch.tensor(2.0, device=CUDA))
+    torch.cuda.synchronize()
+    assert_states_equal(gpu, before)
+    # found_inf == 0 steps normally
+    step(gpu, [5, 5, 5], code1, code2, h, found_inf=torch.tensor(0.0, device=CUDA))
+    assert not torch.equal(gpu[2]["p"], before[2]["p"])
+
+
+@given(seed=st.integers(0, 2**31 - 1), sizes=st.lists(st.integers(1, 2000), min_size=1, max_size=3),
+       dtype=st.sampled_from(DTYPES), scale=st.sampled_from([65536.0, 1024.0, 3.0, 0.7, 1e-20, 1e20]),
+       h=hyper)
+def test_grad_scale_divides_grads(seed, sizes, dtype, scale, h):
+    gen = torch.Generator().manual_seed(seed)
+    cpu = [make_state(n, dtype, gen) for n in sizes]
+    gpu = clone_to(cpu, CUDA)
+    code1, code2 = codebooks()
+    step(cpu, [4] * len(sizes), code1, code2, h, grad_scale=torch.tensor(scale))
+    step(gpu, [4] * len(sizes), code1.to(CUDA), code2.to(CUDA), h, grad_scale=torch.tensor(scale, device=CUDA))
+    assert_states_equal(gpu, cpu, "vs CPU: ")
+    if dtype == torch.float32:  # the kernel's g / scale is an IEEE fp32 division, like torch's
+        scaled = clone_to([make_state(n, dtype, torch.Generator().manual_seed(seed)) for n in sizes], CUDA)
+        unscaled = clone_to(scaled, CUDA)
+        scale_d = torch.tensor(scale, device=CUDA)
+        step(scaled, [4] * len(sizes), code1.to(CUDA), code2.to(CUDA), h, grad_scale=scale_d)
+        step(unscaled, [4] * len(sizes), code1.to(CUDA), code2.to(CUDA), h,
+             grads=[t["g"] / scale_d for t in unscaled])
+        assert_states_equal(scaled, unscaled, "scaled vs pre-divided grads: ")
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) unaligned views, (f) many tensors and mixed dtypes in one call
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_unaligned_views_match_cpu(dtype, offset):
+    """Params, grads and states that are views into flat buffers at odd offsets (no vector access)."""
+    gen = torch.Generator().manual_seed(offset)
+    sizes = [1, 255, 256, 4096 + 3, 256 * 37]
+    total = sum(sizes) + offset * len(sizes)
+    flat = {k: v for k, v in make_state(total, dtype, gen).items()}
+    cpu = []
+    pos = offset
+    for n in sizes:
+        blocks = (n + STATE_BLOCK - 1) // STATE_BLOCK
+        t = {k: flat[k][pos:pos + n] for k in ("p", "g", "q1", "q2")}
+        t["a1"] = torch.rand(blocks + 1, generator=gen)[1:] * 0.1 + 1e-4
+        t["a2"] = torch.rand(blocks + 1, generator=gen)[1:] * 0.01 + 1e-6
+        cpu.append(t)
+        pos += n + offset
+    gpu_flat = {k: v.to(CUDA, copy=True) for k, v in flat.items()}
+    gpu = []
+    pos = offset
+    for n, t in zip(sizes, cpu):
+        g = {k: gpu_flat[k][pos:pos + n] for k in ("p", "g", "q1", "q2")}
+        a1 = torch.empty(t["a1"].numel() + 1, device=CUDA)[1:]
+        a2 = torch.empty(t["a2"].numel() + 1, device=CUDA)[1:]
+        a1.copy_(t["a1"])
+        a2.copy_(t["a2"])
+        g["a1"], g["a2"] = a1, a2
+        gpu.append(g)
+        pos += n + offset
+    assert gpu[1]["p"].data_ptr() % 16 != 0
+    code1, code2 = codebooks()
+    h = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.01, decoupled=False)
+    for k in range(2):
+        step(cpu, [k + 1] * len(sizes), code1, code2, h)
+        step(gpu, [k + 1] * len(sizes), code1.to(CUDA), code2.to(CUDA), h)
+        assert_states_equal(gpu, cpu, f"after step {k + 1}: ")
+
+
+@settings(max_examples=6)
+@given(seed=st.integers(0, 2**31 - 1), h=hyper)
+def test_many_tensors_mixed_dtypes_one_call(seed, h):
+    """300 tiny tensors, a few big ones and empty ones, three dtypes, each with its own step count."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [int(s) for s in torch.randint(1, 700, (300,), generator=gen)] + [0, 70000, 256 * 300, 0, 1 << 17, 5]
+    dtypes = [DTYPES[int(i)] for i in torch.randint(0, 3, (len(sizes),), generator=gen)]
+    cpu = [make_state(n, d, gen) for n, d in zip(sizes, dtypes)]
+    gpu = clone_to(cpu, CUDA)
+    steps = [int(s) for s in torch.randint(1, 100000, (len(sizes),), generator=gen)]
+    code1, code2 = codebooks()
+    for k in range(2):
+        step(cpu, [s + k for s in steps], code1, code2, h)
+        step(gpu, [s + k for s in steps], code1.to(CUDA), code2.to(CUDA), h)
+        assert_states_equal(gpu, cpu, f"after step {k + 1}: ")
+
+
+def test_empty_lists_and_empty_tensors():
+    code1, code2 = codebooks(CUDA)
+    h = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.0, decoupled=True)
+    step([], [], code1, code2, h)
+    gpu = clone_to([make_state(0, torch.float32, torch.Generator())], CUDA)
+    step(gpu, [1], code1, code2, h)
+    torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# (g) bad inputs raise and leave every state untouched
+# ---------------------------------------------------------------------------------------------
+def _bad_case(kind):
+    gen = torch.Generator().manual_seed(5)
+    gpu = clone_to([make_state(n, torch.float32, gen) for n in (300, 1000, 513)], CUDA)
+    grads = [t["g"] for t in gpu]
+    if kind == "dtype":
+        grads[-1] = grads[-1].to(torch.bfloat16)
+    elif kind == "state_size":
+        gpu[-1]["q1"] = torch.zeros(gpu[-1]["p"].numel() + 1, dtype=torch.uint8, device=CUDA)
+    elif kind == "absmax_size":
+        gpu[-1]["a2"] = torch.zeros(1, device=CUDA)
+    elif kind == "device":
+        grads[-1] = grads[-1].cpu()
+    elif kind == "state_dtype":
+        gpu[-1]["q2"] = gpu[-1]["q2"].to(torch.int8)
+    elif kind == "param_dtype":
+        gpu[-1]["p"] = gpu[-1]["p"].double()
+        grads[-1] = grads[-1].double()
+    elif kind == "scale_device":
+        pass
+    return gpu, grads
+
+
+@pytest.mark.parametrize("kind", ["dtype", "state_size", "absmax_size", "device", "state_dtype", "param_dtype",
+                                  "scale_device", "list_length"])
+def test_bad_inputs_raise_and_change_nothing(kind):
+    gpu, grads = _bad_case(kind)
+    before = clone_to(gpu, CUDA)
+    code1, code2 = codebooks(CUDA)
+    h = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.1, decoupled=True)
+    kwargs = {}
+    if kind == "scale_device":
+        kwargs["grad_scale"] = torch.tensor(2.0)  # on the CPU
+    with pytest.raises(RuntimeError):
+        if kind == "list_length":
+            _ops.adam8bit_step_([t["p"] for t in gpu], grads[:-1], [t["q1"] for t in gpu], [t["q2"] for t in gpu],
+                                [t["a1"] for t in gpu], [t["a2"] for t in gpu],
+                                [torch.tensor(1.0, device=CUDA)] * 3, code1, code2, lr=1e-2, beta1=0.9, beta2=0.999,
+                                eps=1e-8, weight_decay=0.0, decoupled=True)
+        else:
+            step(gpu, [1, 1, 1], code1, code2, h, grads=grads, **kwargs)
+    torch.cuda.synchronize()
+    for i, (a, b) in enumerate(zip(gpu, before)):
+        for k in STATE_KEYS:
+            if a[k].dtype == b[k].dtype and a[k].shape == b[k].shape:
+                assert_bitwise(a[k], b[k], f"tensor {i} {k}")
+
+
+# ---------------------------------------------------------------------------------------------
+# int64 indexing: a tensor above 2^31 elements (about 13 GB of GPU memory; opt-in)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("PAGEDOPT_BIG_TESTS") != "1", reason="set PAGEDOPT_BIG_TESTS=1 (needs ~16 GB)")
+def test_tensor_above_2_31_elements():
+    n = (1 << 31) + 1000
+    dtype = torch.bfloat16
+    blocks = (n + STATE_BLOCK - 1) // STATE_BLOCK
+    p = torch.ones(n, dtype=dtype, device=CUDA)
+    g = torch.full((n,), 1e-3, dtype=dtype, device=CUDA)
+    g[-5:] = -2.0
+    q1 = torch.full((n,), 128, dtype=torch.uint8, device=CUDA)
+    q2 = torch.zeros(n, dtype=torch.uint8, device=CUDA)
+    a1 = torch.full((blocks,), 0.1, device=CUDA)
+    a2 = torch.full((blocks,), 0.01, device=CUDA)
+    code1, code2 = codebooks(CUDA)
+    h = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.0, decoupled=True)
+    # the CPU op on the last blocks alone gives the expected values there (blocks are independent)
+    tail = 3 * STATE_BLOCK + (n % STATE_BLOCK)
+    lo = n - tail
+    cpu = [dict(p=p[lo:].cpu(), g=g[lo:].cpu(), q1=q1[lo:].cpu(), q2=q2[lo:].cpu(),
+                a1=a1[lo // STATE_BLOCK:].cpu(), a2=a2[lo // STATE_BLOCK:].cpu())]
+    step([dict(p=p, g=g, q1=q1, q2=q2, a1=a1, a2=a2)], [1], code1, code2, h)
+    step(cpu, [1], code1.cpu(), code2.cpu(), h)
+    got = [dict(p=p[lo:], q1=q1[lo:], q2=q2[lo:], a1=a1[lo // STATE_BLOCK:], a2=a2[lo // STATE_BLOCK:])]
+    assert_states_equal(got, cpu)
+    # the first block saw the same inputs as the last full blocks before the changed tail
+    assert torch.equal(p[:STATE_BLOCK].cpu(), p[lo - STATE_BLOCK:lo].cpu())
+
+
+# ---------------------------------------------------------------------------------------------
+# The host/device-portable half of csrc/cuda/multi_tensor.cuh, compiled for the host: the table
+# search against nearest_code (every 4099th float bit pattern, all of them with
+# PAGEDOPT_BIG_TESTS=1, plus values around every threshold and bucket edge, also for random sorted
+# codebooks with duplicates), the 32-way threshold search the GPU runs against a plain binary
+# search, and the float bias-correction constants from pow_step against this machine's glibc pow.
+# ---------------------------------------------------------------------------------------------
+_HOST_CHECK = r"""
+#include "multi_tensor.cuh"
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+using namespace pagedopt;
+using namespace pagedopt::cuda_detail;
+
+static uint32_t threshold_kary(const float* code, uint32_t j) {  // the GPU's warp search, one lane at a time
+  uint32_t lo = kKeyNegInf, hi = kKeyPosInf;
+  while (hi - lo > 1) {
+    uint32_t c[32]; unsigned ball = 0;
+    for (int l = 0; l < 32; ++l) {
+      c[l] = kary_candidate(lo, hi, l);
+      if (c[l] != lo && code_rank(code, c[l]) >= j) ball |= 1u << l;
+    }
+    const int first = ball ? __builtin_ctz(ball) : 32;
+    const uint32_t nlo = first == 0 ? lo : c[first - 1], nhi = first == 32 ? hi : c[first];
+    if (nhi - nlo >= hi - lo) return 0;  // no progress: reported as a mismatch
+    lo = nlo; hi = nhi;
+  }
+  return hi;
+}
+
+static long build(const float* code, CodeTable& t) {
+  t.fast_ok = 1;
+  for (int i = 0; i < 256; ++i) if (!codebook_entry_ok(code, i)) t.fast_ok = 0;
+  if (!t.fast_ok) return 0;
+  long bad = 0;
+  t.thr[0] = 0;
+  for (int i = 256; i < kThrEntries; ++i) t.thr[i] = kThrSentinel;
+  for (uint32_t j = 1; j < 256; ++j) {
+    t.thr[j] = threshold_serial(code, j);
+    if (threshold_kary(code, j) != t.thr[j]) ++bad;
+  }
+  for (uint32_t e = 0; e < kBucketEntries; ++e) t.bucket[e] = bucket_entry(code, e);
+  return bad;
+}
+
+static long check(const float* code, const CodeTable& t, float x) {
+  const uint32_t u = f32_bits(x);
+  const uint32_t ref = nearest_code(code, x);
+  long bad = fast_nearest_code(t.thr, t.bucket, x) != ref;
+  const uint32_t e = t.bucket[bucket_index(u)];
+  if (!lookup_is_rare(u, e) && lookup_single(t.thr, e, key_of_bits(u)) != ref) ++bad;
+  return bad;
+}
+
+static long check_codebook(const float* code, uint64_t step, std::mt19937& rng) {
+  static CodeTable t;
+  long bad = build(code, t);
+  if (!t.fast_ok) return bad;
+  for (uint64_t u = 0; u < (1ull << 32); u += step) bad += check(code, t, bits_f32((uint32_t)u));
+  std::vector<uint32_t> keys(t.thr + 1, t.thr + 256);
+  for (int i = 0; i < 256; ++i) keys.push_back(float_key(code[i]));
+  for (uint32_t b = 0; b < kHalfBuckets; ++b) {
+    const float edge = bits_f32((kBucketBase + b) << (23 - kSubBits));
+    keys.push_back(float_key(edge));
+    keys.push_back(float_key(-edge));
+  }
+  for (uint32_t k : keys) for (int d = -3; d <= 3; ++d) bad += check(code, t, key_float(k + d));
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  for (int i = 0; i < 200000; ++i) bad += check(code, t, std::ldexp(unit(rng), -(int)(rng() % 40)));
+  return bad;
+}
+
+int main(int argc, char** argv) {
+  const uint64_t step = strtoull(argv[1], nullptr, 10);
+  long bad = 0;
+  std::mt19937 rng(12345);
+  for (int f = 2; f < 4; ++f) {  // the two dynamic codebooks, as float32 bytes
+    float code[256];
+    FILE* in = fopen(argv[f], "rb");
+    if (!in || fread(code, sizeof(float), 256, in) != 256) return 2;
+    fclose(in);
+    bad += check_codebook(code, step, rng);
+  }
+  for (int trial = 0; trial < 20; ++trial) {  // random sorted codebooks, some with many duplicates
+    float code[256];
+    for (int i = 0; i < 256; ++i) {
+      code[i] = trial % 2 ? std::uniform_real_distribution<float>(-1, 1)(rng)
+                          : (float)((int)(rng() % 21) - 10) * 0.1f;
+    }
+    std::sort(code, code + 256);
+    bad += check_codebook(code, step * 97 + 1, rng);
+  }
+  // bias corrections: the float constants from pow_step against glibc pow (as the CPU kernel uses)
+  long const_bad = 0;
+  const double betas[] = {0.0, 0.5, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 0.9995, 0.9999, 0.99999};
+  for (double b : betas) {
+    for (int t = 1; t <= 200000; ++t) {
+      const double a = pow_step(b, t), g = pow(b, (double)t);
+      if ((float)(1e-3 / (1.0 - a)) != (float)(1e-3 / (1.0 - g)) || (float)sqrt(1.0 - a) != (float)sqrt(1.0 - g))
+        ++const_bad;
+    }
+  }
+  printf("search_mismatches=%ld const_mismatches=%ld\n", bad, const_bad);
+  return bad == 0 && const_bad == 0 ? 0 : 1;
+}
+"""
+
+
+def test_host_build_of_search_tables_and_pow_step(tmp_path):
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "host_check.cpp"
+    src.write_text(_HOST_CHECK)
+    exe = tmp_path / "host_check"
+    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", f"-I{root / 'csrc' / 'include'}",
+                    f"-I{root / 'csrc' / 'cuda'}", str(src), "-o", str(exe)], check=True)
+    files = []
+    for signed in (True, False):
+        f = tmp_path / f"code_{int(signed)}.bin"
+        f.write_bytes(quant.dynamic_codebook(signed).numpy().tobytes())
+        files.append(str(f))
+    step = "1" if os.environ.get("PAGEDOPT_BIG_TESTS") == "1" else "4099"
+    out = subprocess.run([str(exe), step, *files], capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stdout + out.stderr
