@@ -79,7 +79,8 @@ def build_extension():
             # nothing to pick. One arch proves the sources compile and link; release builds set
             # TORCH_CUDA_ARCH_LIST to the archs they ship (e.g. "8.0;8.6;9.0").
             os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
-        sources += sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/paging/*.cpp"))
+        sources += (sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+                    + sorted(glob.glob("csrc/paging/*.cpp")))
         for d in _wheel_cuda_includes():
             cxx += ["-isystem", d]
             nvcc += ["-isystem", d]

@@ -15,10 +15,7 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x_in, const at::Tensor& code,
                                                           int64_t blocksize) {
-  check_blocksize(blocksize);
-  TORCH_CHECK(is_supported_param_dtype(x_in.scalar_type()), "quantize_blockwise: x has unsupported dtype ",
-              x_in.scalar_type());
-  check_codebook(code, "code", x_in.device());
+  check_quantize_args(x_in, code, blocksize);
   const at::Tensor x = x_in.contiguous();
   const int64_t n = x.numel();
   const int64_t blocks = ceil_div(n, blocksize);
@@ -45,19 +42,11 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x_in
 
 at::Tensor dequantize_blockwise_cpu(const at::Tensor& codes_in, const at::Tensor& absmax_in, const at::Tensor& code,
                                     int64_t blocksize, at::ScalarType dtype) {
-  check_blocksize(blocksize);
-  TORCH_CHECK(codes_in.scalar_type() == at::kByte, "dequantize_blockwise: codes must be uint8, got ",
-              codes_in.scalar_type());
-  TORCH_CHECK(absmax_in.scalar_type() == at::kFloat, "dequantize_blockwise: absmax must be float32, got ",
-              absmax_in.scalar_type());
-  TORCH_CHECK(is_supported_param_dtype(dtype), "dequantize_blockwise: unsupported output dtype ", dtype);
-  check_codebook(code, "code", codes_in.device());
+  check_dequantize_args(codes_in, absmax_in, code, blocksize, dtype);
   const at::Tensor codes = codes_in.contiguous();
   const at::Tensor absmax = absmax_in.contiguous();
   const int64_t n = codes.numel();
   const int64_t blocks = ceil_div(n, blocksize);
-  TORCH_CHECK(absmax.numel() == blocks, "dequantize_blockwise: absmax must have ", blocks,
-              " elements for ", n, " codes in blocks of ", blocksize, ", got ", absmax.numel());
   at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(dtype));
   const float* cb = code.data_ptr<float>();
   const uint8_t* q = codes.data_ptr<uint8_t>();

@@ -20,12 +20,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "multi_tensor.cuh"
 #include "pagedopt/adam.h"
-#include "pagedopt/checks.h"
+#include "launch.h"
 #include "pagedopt/codebook.h"
 
 namespace pagedopt {
@@ -350,8 +351,8 @@ __device__ __forceinline__ void adam_warp_loop(const AdamKernelArgs& args, const
   }
 }
 
-template <typename T, bool kHasScale>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) adam8bit_kernel(const AdamKernelArgs args) {
+template <typename T, bool kHasScale, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) adam8bit_kernel(const AdamKernelArgs args) {
   if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;  // block-uniform
   extern __shared__ __align__(16) unsigned char smem[];
   float* rep1 = reinterpret_cast<float*>(smem);
@@ -372,13 +373,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) adam8bit_kernel(con
 }
 
 // Per device: dynamic shared memory opted in, and resident blocks per SM.
-template <typename T, bool kHasScale>
+template <typename T, bool kHasScale, int kMinBlocks>
 int prepare_kernel(int device) {
   static std::atomic<int> blocks_per_sm[64] = {};
   TORCH_CHECK(device >= 0 && device < 64, "adam8bit_step_: device index ", device, " out of range");
   int cached = blocks_per_sm[device].load(std::memory_order_relaxed);
   if (cached > 0) return cached;
-  auto* kernel = adam8bit_kernel<T, kHasScale>;
+  auto* kernel = adam8bit_kernel<T, kHasScale, kMinBlocks>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(kAdamSmemBytes)));
   int n = 0;
@@ -388,23 +389,42 @@ int prepare_kernel(int device) {
   return n;
 }
 
-template <typename T, bool kHasScale>
-void launch_group(const AdamKernelArgs& args, int device, cudaStream_t stream) {
-  const int per_sm = prepare_kernel<T, kHasScale>(device);
+template <typename T, bool kHasScale, int kMinBlocks>
+void launch_group_bounded(const AdamKernelArgs& args, int device, cudaStream_t stream) {
+  const int per_sm = prepare_kernel<T, kHasScale, kMinBlocks>(device);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want = ceil_div(args.total_blocks, int64_t{kWarpsPerBlock});
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t{sms} * per_sm)));
-  adam8bit_kernel<T, kHasScale><<<grid, kThreads, kAdamSmemBytes, stream>>>(args);
+  adam8bit_kernel<T, kHasScale, kMinBlocks><<<grid, kThreads, kAdamSmemBytes, stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList state1, at::TensorList state2,
+// The default caps registers at 64 so that two 512-thread blocks share an SM (some spills);
+// PAGEDOPT_ADAM_ONE_BLOCK_PER_SM=1 lifts the cap (no spills, half the warps), for benchmarking.
+bool one_block_per_sm() {
+  static const bool value = [] {
+    const char* v = std::getenv("PAGEDOPT_ADAM_ONE_BLOCK_PER_SM");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return value;
+}
+
+template <typename T, bool kHasScale>
+void launch_group(const AdamKernelArgs& args, int device, cudaStream_t stream) {
+  if (one_block_per_sm()) {
+    launch_group_bounded<T, kHasScale, 1>(args, device, stream);
+  } else {
+    launch_group_bounded<T, kHasScale, kMinBlocksPerSm>(args, device, stream);
+  }
+}
+
+}  // namespace
+
+void adam8bit_step_cuda_unchecked(at::TensorList params, at::TensorList grads, at::TensorList state1, at::TensorList state2,
                         at::TensorList absmax1, at::TensorList absmax2, at::TensorList steps,
                         const at::Tensor& code1, const at::Tensor& code2, double lr, double beta1, double beta2,
                         double eps, double weight_decay, bool decoupled, const std::optional<at::Tensor>& grad_scale,
                         const std::optional<at::Tensor>& found_inf) {
-  check_adam8bit_args(params, grads, state1, state2, absmax1, absmax2, steps, code1, code2, grad_scale,
-                      found_inf);
   if (params.empty()) return;
   const at::Device device = params[0].device();
   TORCH_CHECK(device.is_cuda(), "adam8bit_step_: the CUDA kernel got tensors on ", device);
@@ -518,8 +538,5 @@ void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
   }
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(pagedopt, CUDA, m) { m.impl("adam8bit_step_", &adam8bit_step_cuda); }
 
 }  // namespace pagedopt

@@ -11,7 +11,7 @@
 #include <algorithm>
 
 #include "multi_tensor.cuh"
-#include "pagedopt/checks.h"
+#include "launch.h"
 #include "pagedopt/codebook.h"
 
 namespace pagedopt {
@@ -159,12 +159,10 @@ int grid_for(int64_t work_items, int per_block, int blocks_per_sm) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t{sms} * blocks_per_sm)));
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda(const at::Tensor& x_in, const at::Tensor& code,
-                                                           int64_t blocksize) {
-  check_blocksize(blocksize);
-  TORCH_CHECK(is_supported_param_dtype(x_in.scalar_type()), "quantize_blockwise: x has unsupported dtype ",
-              x_in.scalar_type());
-  check_codebook(code, "code", x_in.device());
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda_unchecked(const at::Tensor& x_in, const at::Tensor& code,
+                                                                   int64_t blocksize) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   const int64_t n = x.numel();
@@ -207,24 +205,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda(const at::Tensor& x_i
   return {codes, absmax};
 }
 
-at::Tensor dequantize_blockwise_cuda(const at::Tensor& codes_in, const at::Tensor& absmax_in, const at::Tensor& code,
-                                     int64_t blocksize, at::ScalarType dtype) {
-  check_blocksize(blocksize);
-  TORCH_CHECK(codes_in.scalar_type() == at::kByte, "dequantize_blockwise: codes must be uint8, got ",
-              codes_in.scalar_type());
-  TORCH_CHECK(absmax_in.scalar_type() == at::kFloat, "dequantize_blockwise: absmax must be float32, got ",
-              absmax_in.scalar_type());
-  TORCH_CHECK(is_supported_param_dtype(dtype), "dequantize_blockwise: unsupported output dtype ", dtype);
-  check_codebook(code, "code", codes_in.device());
-  TORCH_CHECK(absmax_in.device() == codes_in.device(), "dequantize_blockwise: absmax is on ", absmax_in.device(),
-              " but codes are on ", codes_in.device());
+at::Tensor dequantize_blockwise_cuda_unchecked(const at::Tensor& codes_in, const at::Tensor& absmax_in,
+                                             const at::Tensor& code, int64_t blocksize, at::ScalarType dtype) {
   const c10::cuda::CUDAGuard guard(codes_in.device());
   const at::Tensor codes = codes_in.contiguous();
   const at::Tensor absmax = absmax_in.contiguous();
   const int64_t n = codes.numel();
   const int64_t blocks = ceil_div(n, blocksize);
-  TORCH_CHECK(absmax.numel() == blocks, "dequantize_blockwise: absmax must have ", blocks, " elements for ", n,
-              " codes in blocks of ", blocksize, ", got ", absmax.numel());
   at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(dtype));
   if (n == 0) return out;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -254,11 +241,5 @@ at::Tensor dequantize_blockwise_cuda(const at::Tensor& codes_in, const at::Tenso
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(pagedopt, CUDA, m) {
-  m.impl("quantize_blockwise", &quantize_blockwise_cuda);
-  m.impl("dequantize_blockwise", &dequantize_blockwise_cuda);
-}
 
 }  // namespace pagedopt

@@ -25,6 +25,29 @@ inline void check_blocksize(int64_t blocksize) {
               "blocksize must be a positive multiple of 32 and at most 4096, got ", blocksize);
 }
 
+inline void check_quantize_args(const at::Tensor& x, const at::Tensor& code, int64_t blocksize) {
+  check_blocksize(blocksize);
+  TORCH_CHECK(is_supported_param_dtype(x.scalar_type()), "quantize_blockwise: x has unsupported dtype ",
+              x.scalar_type(), " (float32, bfloat16, float16 are supported)");
+  check_codebook(code, "code", x.device());
+}
+
+inline void check_dequantize_args(const at::Tensor& codes, const at::Tensor& absmax, const at::Tensor& code,
+                                  int64_t blocksize, at::ScalarType dtype) {
+  check_blocksize(blocksize);
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "dequantize_blockwise: codes must be uint8, got ",
+              codes.scalar_type());
+  TORCH_CHECK(absmax.scalar_type() == at::kFloat, "dequantize_blockwise: absmax must be float32, got ",
+              absmax.scalar_type());
+  TORCH_CHECK(is_supported_param_dtype(dtype), "dequantize_blockwise: unsupported output dtype ", dtype);
+  check_codebook(code, "code", codes.device());
+  TORCH_CHECK(absmax.device() == codes.device(), "dequantize_blockwise: absmax is on ", absmax.device(),
+              " but codes are on ", codes.device());
+  const int64_t blocks = ceil_div(codes.numel(), blocksize);
+  TORCH_CHECK(absmax.numel() == blocks, "dequantize_blockwise: absmax must have ", blocks, " elements for ",
+              codes.numel(), " codes in blocks of ", blocksize, ", got ", absmax.numel());
+}
+
 inline void check_adam8bit_args(at::TensorList params, at::TensorList grads, at::TensorList state1,
                                 at::TensorList state2, at::TensorList absmax1,
                                 at::TensorList absmax2, at::TensorList steps,

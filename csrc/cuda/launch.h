@@ -1,0 +1,25 @@
+#pragma once
+// Host entry points of the CUDA kernels. They assume their arguments passed the checks of
+// pagedopt/checks.h: csrc/cuda/ops.cpp runs those checks (compiled by the host compiler, so
+// argument errors are thrown from host-compiled code) and then calls these.
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace pagedopt {
+
+std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda_unchecked(const at::Tensor& x, const at::Tensor& code,
+                                                                     int64_t blocksize);
+
+at::Tensor dequantize_blockwise_cuda_unchecked(const at::Tensor& codes, const at::Tensor& absmax,
+                                               const at::Tensor& code, int64_t blocksize, at::ScalarType dtype);
+
+void adam8bit_step_cuda_unchecked(at::TensorList params, at::TensorList grads, at::TensorList state1,
+                                  at::TensorList state2, at::TensorList absmax1, at::TensorList absmax2,
+                                  at::TensorList steps, const at::Tensor& code1, const at::Tensor& code2, double lr,
+                                  double beta1, double beta2, double eps, double weight_decay, bool decoupled,
+                                  const std::optional<at::Tensor>& grad_scale,
+                                  const std::optional<at::Tensor>& found_inf);
+
+}  // namespace pagedopt

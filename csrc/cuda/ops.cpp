@@ -1,0 +1,46 @@
+// CUDA registrations of the pagedopt ops: argument checks (shared with the CPU backend), then
+// the kernels' host entry points. Kept in a host-compiled file so every argument error is
+// raised before any nvcc-compiled code runs.
+#include <torch/library.h>
+
+#include "launch.h"
+#include "pagedopt/checks.h"
+
+namespace pagedopt {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda(const at::Tensor& x, const at::Tensor& code,
+                                                           int64_t blocksize) {
+  check_quantize_args(x, code, blocksize);
+  return quantize_blockwise_cuda_unchecked(x, code, blocksize);
+}
+
+at::Tensor dequantize_blockwise_cuda(const at::Tensor& codes, const at::Tensor& absmax, const at::Tensor& code,
+                                     int64_t blocksize, at::ScalarType dtype) {
+  check_dequantize_args(codes, absmax, code, blocksize, dtype);
+  return dequantize_blockwise_cuda_unchecked(codes, absmax, code, blocksize, dtype);
+}
+
+void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList state1, at::TensorList state2,
+                        at::TensorList absmax1, at::TensorList absmax2, at::TensorList steps,
+                        const at::Tensor& code1, const at::Tensor& code2, double lr, double beta1, double beta2,
+                        double eps, double weight_decay, bool decoupled, const std::optional<at::Tensor>& grad_scale,
+                        const std::optional<at::Tensor>& found_inf) {
+  check_adam8bit_args(params, grads, state1, state2, absmax1, absmax2, steps, code1, code2, grad_scale,
+                      found_inf);
+  if (!params.empty()) {
+    TORCH_CHECK(params[0].is_cuda(), "adam8bit_step_: the CUDA kernel got tensors on ", params[0].device());
+  }
+  adam8bit_step_cuda_unchecked(params, grads, state1, state2, absmax1, absmax2, steps, code1, code2, lr, beta1,
+                               beta2, eps, weight_decay, decoupled, grad_scale, found_inf);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pagedopt, CUDA, m) {
+  m.impl("quantize_blockwise", &quantize_blockwise_cuda);
+  m.impl("dequantize_blockwise", &dequantize_blockwise_cuda);
+  m.impl("adam8bit_step_", &adam8bit_step_cuda);
+}
+
+}  // namespace pagedopt
