@@ -107,6 +107,9 @@ class AdamBase(torch.optim.Optimizer):
     @staticmethod
     def _check_param(gi: int, pi: int, p: torch.Tensor) -> None:
         g = p.grad
+        if (p.dtype in _SUPPORTED_DTYPES and g.layout == torch.strided and g.dtype == p.dtype
+                and g.shape == p.shape and g.device == p.device):
+            return  # the common case, without building any message
         where = _describe(gi, pi, p)
         if p.is_complex():
             raise ValueError(f"{where}: complex parameters are not supported")
@@ -118,8 +121,7 @@ class AdamBase(torch.optim.Optimizer):
             raise ValueError(f"{where}: gradient dtype {g.dtype} differs from the parameter's {p.dtype}")
         if g.shape != p.shape:
             raise ValueError(f"{where}: gradient shape {tuple(g.shape)} differs from the parameter's")
-        if g.device != p.device:
-            raise ValueError(f"{where}: gradient is on {g.device}, the parameter on {p.device}")
+        raise ValueError(f"{where}: gradient is on {g.device}, the parameter on {p.device}")
 
     # ------------------------------------------------------------------ state
     def _codebooks_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
