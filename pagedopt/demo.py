@@ -16,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from pagedopt.optim.base import optimizer_state_bytes
+
 VOCAB = 256
 
 
@@ -68,16 +70,6 @@ def make_optimizer(name: str, params, lr: float):
     return cls(params, lr=lr, weight_decay=0.01)
 
 
-def state_bytes(opt) -> int:
-    seen, total = set(), 0
-    for s in opt.state.values():
-        for k, v in s.items():
-            if isinstance(v, torch.Tensor) and k not in ("qmap1", "qmap2") and v.data_ptr() not in seen:
-                seen.add(v.data_ptr())
-                total += v.numel() * v.element_size()
-    return total
-
-
 def train(optimizer: str, steps: int = 300, seed: int = 0, device: str = "cpu", batch: int = 16, seq: int = 64,
           lr: float = 3e-3, progress: bool = True) -> dict:
     """Train from a fixed init; returns final train loss, held-out loss and state bytes."""
@@ -109,7 +101,7 @@ def train(optimizer: str, steps: int = 300, seed: int = 0, device: str = "cpu", 
     q_bytes = sum(sum(opt.state[p][k].numel() * opt.state[p][k].element_size()
                       for k in ("state1", "state2", "absmax1", "absmax2")) for p in quantized)
     return dict(optimizer=optimizer, train_loss=sum(losses[-20:]) / 20, val_loss=val, params=n_params,
-                state_bytes=state_bytes(opt), quantized_params=q_params, quantized_state_bytes=q_bytes)
+                state_bytes=optimizer_state_bytes(opt), quantized_params=q_params, quantized_state_bytes=q_bytes)
 
 
 def main(argv=None) -> None:

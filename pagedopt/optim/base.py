@@ -325,10 +325,16 @@ class AdamBase(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes held by optimizer state tensors (codes, absmax, 32-bit moments, steps)."""
-        seen, total = set(), 0
-        for s in self.state.values():
-            for k, v in s.items():
-                if isinstance(v, torch.Tensor) and k not in ("qmap1", "qmap2") and v.data_ptr() not in seen:
-                    seen.add(v.data_ptr())
-                    total += v.numel() * v.element_size()
-        return total
+        return optimizer_state_bytes(self)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by any optimizer's state tensors, each storage counted once; the shared
+    codebooks (qmap1/qmap2) are not counted."""
+    seen, total = set(), 0
+    for s in optimizer.state.values():
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor) and k not in ("qmap1", "qmap2") and v.data_ptr() not in seen:
+                seen.add(v.data_ptr())
+                total += v.numel() * v.element_size()
+    return total
