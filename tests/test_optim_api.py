@@ -292,3 +292,29 @@ def test_paged_classes_work_unpaged_on_cpu_and_match():
         assert torch.equal(a, b)
     oa.page_out()  # a no-op on CPU, but callable
     assert oa.paging_stats() is not None
+
+
+def test_a_checkpoint_codebook_is_used_for_its_parameter_only():
+    from pagedopt.quant import dynamic_codebook, quantize_blockwise_reference
+
+    params = [torch.randn(1000, requires_grad=True), torch.randn(1000, requires_grad=True)]
+    opt = pagedopt.AdamW8bit(params, min_8bit_size=0)
+    set_grads(params, 0)
+    opt.step()
+    sd = opt.state_dict()
+    for s in sd["state"].values():  # a fresh state, as at step 0
+        for k in ("state1", "state2", "absmax1", "absmax2"):
+            s[k] = torch.zeros_like(s[k])
+        s["step"] = 0
+    linear = torch.linspace(-1, 1, 256)
+    sd["state"][0]["qmap1"] = linear
+    fresh = [p.detach().clone().requires_grad_(True) for p in params]
+    opt2 = pagedopt.AdamW8bit(fresh, min_8bit_size=0)
+    opt2.load_state_dict(sd)
+    set_grads(fresh, 1)
+    opt2.step()
+    for p, code in zip(fresh, (linear, dynamic_codebook(True))):
+        m = (1 - 0.9) * p.grad  # the first moment after one step from zero
+        expected, _ = quantize_blockwise_reference(m, code)
+        assert torch.equal(opt2.state[p]["state1"], expected)
+    assert torch.equal(opt2.state[fresh[0]]["qmap1"], linear)

@@ -176,22 +176,24 @@ class AdamBase(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
 
-        # 2. Bucket by (group, device, dtype, state width); each bucket is one fused call.
+        # 2. Bucket by (group, device, dtype, state width, codebooks); each bucket is one fused
+        # call. Codebooks differ only when a checkpoint brought its own.
         buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         for gi, group, p in work:
             state = self._init_state(group, p)
             eight_bit = state["state1"].dtype == torch.uint8
-            buckets[(gi, p.device, p.dtype, eight_bit)].append(p)
+            codebooks = (id(state["qmap1"]), id(state["qmap2"])) if eight_bit else None
+            buckets[(gi, p.device, p.dtype, eight_bit, codebooks)].append(p)
 
         steps_by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        for (_, device, _, _), params in buckets.items():
+        for (_, device, _, _, _), params in buckets.items():
             steps_by_device[device] += [self.state[p]["step"] for p in params]
         for device, steps in steps_by_device.items():
             torch._foreach_add_(steps, 1.0)
 
         if self._pager is not None:
             self._pager.begin_step()
-        for (gi, device, dtype, eight_bit), params in buckets.items():
+        for (gi, device, dtype, eight_bit, _), params in buckets.items():
             group = self.param_groups[gi]
             scale = None if grad_scale is None else grad_scale.to(device, non_blocking=True)
             inf = None if found_inf is None else found_inf.to(device, non_blocking=True)
