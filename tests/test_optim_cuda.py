@@ -34,13 +34,20 @@ def test_cuda_step_equals_cpu_step(cls, dtype):
         o_cpu.step()
         o_gpu.step()
     for a, b in zip(cpu, gpu):
-        assert torch.equal(a.detach(), b.detach().cpu())
         sa, sb = o_cpu.state[a], o_gpu.state[b]
-        for k in sa:
-            if k in ("state1", "state2", "absmax1", "absmax2"):
-                # codes may differ only where a value lies within fp32 rounding of a tie; the
-                # CUDA kernel mirrors the CPU's IEEE operations one by one, so none do.
+        if sa["state1"].dtype == torch.uint8:
+            # our 8-bit kernels: the CUDA kernel mirrors the CPU's IEEE operations one by one,
+            # so params, codes and absmax agree bit for bit
+            assert torch.equal(a.detach(), b.detach().cpu())
+            for k in ("state1", "state2", "absmax1", "absmax2"):
                 assert torch.equal(sa[k], sb[k].cpu()), k
+        else:
+            # tensors under min_8bit_size use torch's fused Adam, whose CPU and CUDA kernels
+            # round differently (the CUDA one contracts to FMA): a few fp32 ulps per step
+            tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+            torch.testing.assert_close(a.detach(), b.detach().cpu(), **tol)
+            for k in ("state1", "state2"):
+                torch.testing.assert_close(sa[k], sb[k].cpu(), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("cls_pair", [(pagedopt.AdamW8bit, pagedopt.PagedAdamW8bit),
