@@ -43,11 +43,16 @@ def test_cuda_step_equals_cpu_step(cls, dtype):
                 assert torch.equal(sa[k], sb[k].cpu()), k
         else:
             # tensors under min_8bit_size use torch's fused Adam, whose CPU and CUDA kernels
-            # round differently (the CUDA one contracts to FMA): a few fp32 ulps per step
-            tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
-            torch.testing.assert_close(a.detach(), b.detach().cpu(), **tol)
+            # round differently (the CUDA one contracts to FMA): a few fp32 ulps per step. With
+            # half params, a one-ulp difference of p (2^-8 relative for bf16) enters the next
+            # L2 gradient as weight_decay * p, so the states then differ by up to ~1e-3 relative.
+            if dtype == torch.float32:
+                p_tol, s_tol = dict(rtol=1e-5, atol=1e-6), dict(rtol=1e-5, atol=1e-7)
+            else:
+                p_tol, s_tol = dict(rtol=1e-2, atol=1e-3), dict(rtol=1e-3, atol=1e-6)
+            torch.testing.assert_close(a.detach(), b.detach().cpu(), **p_tol)
             for k in ("state1", "state2"):
-                torch.testing.assert_close(sa[k], sb[k].cpu(), rtol=1e-5, atol=1e-7)
+                torch.testing.assert_close(sa[k], sb[k].cpu(), **s_tol)
 
 
 @pytest.mark.parametrize("cls_pair", [(pagedopt.AdamW8bit, pagedopt.PagedAdamW8bit),
