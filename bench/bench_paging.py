@@ -85,16 +85,9 @@ def state_layout(size_bytes: int, layout: str, tensors: int) -> list[tuple[int, 
 
 
 def chunks_of(tensors: list[torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> list[list[torch.Tensor]]:
-    chunks, cur, size = [], [], 0
-    for t in tensors:
-        cur.append(t)
-        size += t.numel() * t.element_size()
-        if size >= chunk_bytes:
-            chunks.append(cur)
-            cur, size = [], 0
-    if cur:
-        chunks.append(cur)
-    return chunks
+    from pagedopt.paging import split_by_bytes
+
+    return split_by_bytes(tensors, lambda t: t.numel() * t.element_size(), chunk_bytes)
 
 
 # --------------------------------------------------------------------------- timing

@@ -138,6 +138,21 @@ def _reset_fallback_warnings() -> None:
 # ---------------------------------------------------------------------------------------------
 # operator wrappers
 # ---------------------------------------------------------------------------------------------
+def split_by_bytes(items: Sequence, nbytes_of, chunk_bytes: int) -> list[list]:
+    """Consecutive runs of ``items``, each closed once its bytes (``nbytes_of(item)``) reach
+    ``chunk_bytes``: the chunks that PageManager.stage() pipelines."""
+    chunks, current, size = [], [], 0
+    for item in items:
+        current.append(item)
+        size += nbytes_of(item)
+        if size >= chunk_bytes:
+            chunks.append(current)
+            current, size = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
+
+
 def managed_empty(shape: Sequence[int], dtype: torch.dtype, device: DeviceLike) -> torch.Tensor:
     """An uninitialized CUDA tensor in managed memory (freed with cudaFree when its storage dies)."""
     if isinstance(shape, int):

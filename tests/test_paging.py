@@ -638,3 +638,12 @@ def test_bench_paging_smoke(tmp_path):
     else:
         for k in ("pinned_h2d", "uvm_page_in", "uvm_page_in_stage", "uvm_page_out", "host_preferred_rw"):
             assert doc["results"][k]["gbps"] > 0
+
+
+def test_split_by_bytes_closes_a_chunk_once_it_reaches_the_limit():
+    from pagedopt.paging import split_by_bytes
+
+    sizes = [3, 4, 10, 1, 1, 1, 2]
+    assert split_by_bytes(sizes, lambda s: s, 7) == [[3, 4], [10], [1, 1, 1, 2]]
+    assert split_by_bytes([], lambda s: s, 7) == []
+    assert split_by_bytes(sizes, lambda s: s, 100) == [sizes]

@@ -224,17 +224,11 @@ class AdamBase(torch.optim.Optimizer):
     def _chunks(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         if self._pager is None or self._pager.all_resident():
             return [params]
-        chunks, current, size = [], [], 0
-        for p in params:
-            current.append(p)
-            size += sum(t.numel() * t.element_size() for k, t in self.state[p].items()
-                        if k in ("state1", "state2", "absmax1", "absmax2"))
-            if size >= _PAGED_CHUNK_BYTES:
-                chunks.append(current)
-                current, size = [], 0
-        if current:
-            chunks.append(current)
-        return chunks
+        from ..paging import split_by_bytes
+
+        keys = ("state1", "state2", "absmax1", "absmax2")
+        return split_by_bytes(params, lambda p: sum(self.state[p][k].numel() * self.state[p][k].element_size()
+                                                    for k in keys if k in self.state[p]), _PAGED_CHUNK_BYTES)
 
     def _paged_stages(self, chunks: list[list[torch.Tensor]]):
         if self._pager is None or self._pager.all_resident():
