@@ -74,9 +74,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    device = torch.device(args.device)
-    if C.is_cuda(device) and not torch.cuda.is_available():
-        print("CUDA is not available; use --smoke or --device cpu", file=sys.stderr)
+    device = C.bench_device(args.device)
+    if device is None:
         return 2
     only = [s.strip() for s in args.only.split(",") if s.strip()]
 

@@ -42,6 +42,15 @@ def is_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def bench_device(name: str):
+    """The device to bench on, or None (with a message) when it asks for CUDA and there is none."""
+    device = torch.device(name)
+    if is_cuda(device) and not torch.cuda.is_available():
+        print("CUDA is not available; use --smoke or --device cpu", file=sys.stderr)
+        return None
+    return device
+
+
 def sync(device) -> None:
     if is_cuda(device):
         torch.cuda.synchronize(device)
