@@ -72,12 +72,20 @@ def nearest_code_reference(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     return dist.argmin(dim=1).to(torch.uint8).reshape(x.shape)
 
 
+def absmax_reciprocal(absmax: torch.Tensor) -> torch.Tensor:
+    """1 / absmax in fp32, or 0 where absmax is zero or below the smallest normal float: values
+    are normalized as x * absmax_reciprocal(absmax) (within one ulp of x / absmax)."""
+    absmax = absmax.float()
+    tiny = torch.finfo(torch.float32).tiny
+    safe = torch.where(absmax >= tiny, absmax, torch.ones_like(absmax))
+    return torch.where(absmax >= tiny, 1.0 / safe, torch.zeros_like(absmax))
+
+
 def quantize_blockwise_reference(x: torch.Tensor, code: torch.Tensor, blocksize: int = STATE_BLOCK_SIZE):
     """Pure-torch blockwise quantization: (uint8 codes shaped like x, float32 absmax per block)."""
     blocks, n = _blocks(x, blocksize)
     absmax = blocks.abs().amax(dim=1)
-    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    normalized = torch.where(absmax[:, None] > 0, blocks / safe[:, None], torch.zeros_like(blocks))
+    normalized = blocks * absmax_reciprocal(absmax)[:, None]
     codes = nearest_code_reference(normalized, code).reshape(-1)[:n]
     return codes.reshape(x.shape), absmax
 

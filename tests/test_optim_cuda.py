@@ -1,4 +1,5 @@
-"""Optimizers on the GPU: the CUDA step equals the CPU step, and paged equals unpaged, bit for bit."""
+"""Optimizers on the GPU: the CUDA step agrees with the CPU step (see test_cuda_kernels for the
+bound), and paged equals unpaged, bit for bit."""
 import gc
 
 import pytest
@@ -36,11 +37,21 @@ def test_cuda_step_equals_cpu_step(cls, dtype):
     for a, b in zip(cpu, gpu):
         sa, sb = o_cpu.state[a], o_gpu.state[b]
         if sa["state1"].dtype == torch.uint8:
-            # our 8-bit kernels: the CUDA kernel mirrors the CPU's IEEE operations one by one,
-            # so params, codes and absmax agree bit for bit
-            assert torch.equal(a.detach(), b.detach().cpu())
-            for k in ("state1", "state2", "absmax1", "absmax2"):
-                assert torch.equal(sa[k], sb[k].cpu()), k
+            # our 8-bit kernels share their element math: the moments are computed bit for bit
+            # alike, the parameter within one ulp of its dtype + 2^-19 of the update per step
+            # (the GPU's approximate sqrt and division). 4 steps: 8 ulp, plus 1e-6 for the updates.
+            ulp = 2.0 ** -{torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}[dtype]
+            torch.testing.assert_close(b.detach().cpu().double(), a.detach().double(), rtol=8 * ulp, atol=1e-6)
+            if cls is pagedopt.AdamW8bit:  # decoupled decay: the moments never see the parameter
+                for k in ("state1", "state2", "absmax1", "absmax2"):
+                    assert torch.equal(sa[k], sb[k].cpu()), k
+            else:  # L2: the parameter's difference enters the next gradient as weight_decay * p
+                for k in ("absmax1", "absmax2"):
+                    torch.testing.assert_close(sb[k].cpu(), sa[k], rtol=4 * ulp, atol=0)
+                for k in ("state1", "state2"):  # codes: at most the neighbouring code, rarely
+                    diff = (sb[k].cpu().int() - sa[k].int()).abs()
+                    assert diff.max() <= 1, k
+                    assert (diff != 0).float().mean() <= 0.02, k
         else:
             # tensors under min_8bit_size use torch's fused Adam, whose CPU and CUDA kernels
             # round differently (the CUDA one contracts to FMA): a few fp32 ulps per step. With

@@ -18,7 +18,7 @@ template <typename scalar_t>
 void adam8bit_tensor_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& state1,
                          const at::Tensor& state2, const at::Tensor& absmax1, const at::Tensor& absmax2,
                          const float* code1, const float* code2, const AdamHyper& h, float step,
-                         float grad_scale) {
+                         float inv_grad_scale) {
   const AdamStepConstants c = adam_step_constants(h, step);
   const int64_t n = param.numel();
   const int64_t blocks = ceil_div(n, kStateBlockSize);
@@ -38,18 +38,18 @@ void adam8bit_tensor_cpu(const at::Tensor& param, const at::Tensor& grad, const 
       float new_absmax2 = 0.0f;
       for (int64_t j = 0; j < len; ++j) {
         const int64_t i = lo + j;
-        float pf = static_cast<float>(p[i]);
-        const float gf = static_cast<float>(g[i]) / grad_scale;
+        const float gf = static_cast<float>(g[i]) * inv_grad_scale;
         m[j] = dequantize_value(code1, q1[i], a1[b]);
         v[j] = dequantize_value(code2, q2[i], a2[b]);
-        adam_update(pf, gf, m[j], v[j], c);
-        p[i] = static_cast<scalar_t>(pf);
+        p[i] = static_cast<scalar_t>(adam_update(static_cast<float>(p[i]), gf, m[j], v[j], c));
         new_absmax1 = std::max(new_absmax1, std::fabs(m[j]));
         new_absmax2 = std::max(new_absmax2, std::fabs(v[j]));
       }
+      const float inv1 = absmax_reciprocal(new_absmax1);
+      const float inv2 = absmax_reciprocal(new_absmax2);
       for (int64_t j = 0; j < len; ++j) {
-        q1[lo + j] = quantize_value(code1, m[j], new_absmax1);
-        q2[lo + j] = quantize_value(code2, v[j], new_absmax2);
+        q1[lo + j] = quantize_value(code1, m[j], inv1);
+        q2[lo + j] = quantize_value(code2, v[j], inv2);
       }
       a1[b] = new_absmax1;
       a2[b] = new_absmax2;
@@ -65,14 +65,15 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
   check_adam8bit_args(params, grads, state1, state2, absmax1, absmax2, steps, code1, code2, grad_scale,
                       found_inf);
   if (found_inf.has_value() && found_inf->item<float>() != 0.0f) return;
-  const float scale = grad_scale.has_value() ? grad_scale->item<float>() : 1.0f;
+  // g * (1 / grad_scale): exact for GradScaler's power-of-two scales, as the CUDA kernel does it.
+  const float inv_scale = grad_scale.has_value() ? 1.0f / grad_scale->item<float>() : 1.0f;
   const AdamHyper h{lr, beta1, beta2, eps, weight_decay, decoupled};
   for (size_t i = 0; i < params.size(); ++i) {
     if (params[i].numel() == 0) continue;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[i].scalar_type(), "adam8bit_step_cpu", [&] {
       adam8bit_tensor_cpu<scalar_t>(params[i], grads[i], state1[i], state2[i], absmax1[i], absmax2[i],
                                     code1.data_ptr<float>(), code2.data_ptr<float>(), h,
-                                    steps[i].item<float>(), scale);
+                                    steps[i].item<float>(), inv_scale);
     });
   }
 }

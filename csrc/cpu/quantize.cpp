@@ -33,7 +33,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x_in
         float m = 0.0f;
         for (int64_t i = lo; i < hi; ++i) m = std::max(m, std::fabs(static_cast<float>(xs[i])));
         am[b] = m;
-        for (int64_t i = lo; i < hi; ++i) q[i] = quantize_value(cb, static_cast<float>(xs[i]), m);
+        const float inv = absmax_reciprocal(m);
+        for (int64_t i = lo; i < hi; ++i) q[i] = quantize_value(cb, static_cast<float>(xs[i]), inv);
       }
     });
   });

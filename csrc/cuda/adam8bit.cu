@@ -1,16 +1,17 @@
 // CUDA fused 8-bit Adam/AdamW step over a list of tensors, in a handful of launches.
 //
-// Same function as csrc/cpu/adam8bit.cpp, bit for bit: the element math of pagedopt/adam.h is
-// mirrored with explicit IEEE intrinsics (__fmul_rn, __fadd_rn, __fdiv_rn, __fsqrt_rn, ...) in the
-// same order, so nvcc cannot contract a*b+c into an FMA (the x86 CPU build has no FMA); the
-// step-independent constants come from the header's adam_step_constants evaluated on the host
-// (the same code the CPU runs); the two step-dependent ones are computed on the device from
-// steps[i] in double, as the header does (see pow_step in multi_tensor.cuh for the one caveat).
+// The element math is pagedopt/adam.h, as on the CPU: the states (codes and absmax) come out bit
+// for bit as the CPU's, the parameters within 2^-20 of the update (the GPU's approximate sqrt and
+// division; see adam.h). The step-independent constants come from the header's
+// adam_step_constants evaluated on the host; the two step-dependent ones are computed on the
+// device from steps[i] in double (see pow_step in multi_tensor.cuh for the one caveat).
 //
 // Launches per call: one H2D copy of a metadata table (pinned, non_blocking), one setup kernel
 // (codebook search tables + per-tensor bias corrections), and one step kernel per param dtype.
 // In the step kernel one warp owns one 256-element block: 8 consecutive elements per lane,
-// vector loads/stores, warp-shuffle absmax, and the codes written after the new absmax is known.
+// vector loads/stores, one warp reduction per absmax, and the codes written after the new absmax
+// is known. Dequantization reads a 32-way replicated codebook (lane l reads copy l: no bank
+// conflicts); quantization one table entry per value (multi_tensor.cuh).
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -34,9 +35,10 @@ namespace {
 
 using namespace cuda_detail;
 
-constexpr int kThreads = 512;
+// One 1024-thread block per SM (64 registers a thread): the replicated codebooks and the two
+// search tables take 115 KB of shared memory, too much for two blocks.
+constexpr int kThreads = 1024;
 constexpr int kWarpsPerBlock = kThreads / kWarp;
-constexpr int kMinBlocksPerSm = 2;
 constexpr int kBlock = static_cast<int>(kStateBlockSize);
 static_assert(kBlock == 8 * kWarp, "one warp per 256-element block, 8 elements per lane");
 
@@ -60,12 +62,10 @@ struct AdamTensorMeta {
   int64_t vec_ok;  // p, g 16-byte aligned and q1, q2 8-byte aligned
 };
 
-// Per-tensor constants that depend on the step (written by the setup kernel): step_size, and
-// bias_correction2_sqrt with its double reciprocal for div_by_rcp_d.
-struct alignas(16) StepConsts {
-  double bc2_yd;
+// Per-tensor constants that depend on the step (written by the setup kernel).
+struct alignas(8) StepConsts {
   float step_size;
-  float bc2;
+  float inv_bc2;  // 1 / sqrt(1 - beta2^t)
 };
 
 struct AdamKernelArgs {
@@ -84,7 +84,7 @@ struct AdamKernelArgs {
 
 // ---------------------------------------------------------------------------------------------
 // Setup: blocks [0, 2 * kTableBlocks) build the two codebooks' search tables, the rest compute
-// step_size and bias_correction2_sqrt for each tensor from its device step count.
+// step_size and 1 / sqrt(1 - beta2^t) for each tensor from its device step count.
 // ---------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kTableThreads) adam_setup_kernel(const float* __restrict__ code1,
                                                                      const float* __restrict__ code2,
@@ -99,12 +99,9 @@ __global__ void __launch_bounds__(kTableThreads) adam_setup_kernel(const float* 
   }
   const int i = (blockIdx.x - 2 * kTableBlocks) * blockDim.x + threadIdx.x;
   if (i >= ntensors) return;
-  // adam_step_constants: step_size = float(lr / (1 - beta1^t)), bc2 = float(sqrt(1 - beta2^t)).
   const double t = static_cast<double>(*meta[i].step);
   StepConsts s;
-  s.step_size = __double2float_rn(__ddiv_rn(lr, __dsub_rn(1.0, pow_step(beta1, t))));
-  s.bc2 = __double2float_rn(__dsqrt_rn(__dsub_rn(1.0, pow_step(beta2, t))));
-  s.bc2_yd = __drcp_rn(static_cast<double>(s.bc2));
+  adam_bias_constants(lr, pow_step(beta1, t), pow_step(beta2, t), s.step_size, s.inv_bc2);
   consts[i] = s;
 }
 
@@ -119,9 +116,7 @@ struct TensorView {
   float* a2;
   int64_t numel;
   bool vec_ok;
-  float step_size;
-  float bc2;      // bias_correction2_sqrt
-  double bc2_yd;  // RN53(1 / bc2)
+  StepConsts s;
 };
 
 __device__ __forceinline__ TensorView load_tensor(const AdamKernelArgs& args, int t) {
@@ -135,10 +130,7 @@ __device__ __forceinline__ TensorView load_tensor(const AdamKernelArgs& args, in
   v.a2 = m->a2;
   v.numel = m->numel;
   v.vec_ok = m->vec_ok != 0;
-  const StepConsts* s = args.consts + t;
-  v.step_size = s->step_size;
-  v.bc2 = s->bc2;
-  v.bc2_yd = s->bc2_yd;
+  v.s = args.consts[t];
   return v;
 }
 
@@ -158,79 +150,57 @@ __device__ __forceinline__ int find_tensor(const int64_t* __restrict__ starts, i
   return lo;
 }
 
-struct UpdateConsts {
-  const AdamStepConstants* c;  // kernel parameter space
-  float pfac;                  // decay_factor for decoupled decay, else 1 (p * 1 == p exactly)
-  bool l2;                     // g += weight_decay * p
-  Divisor scale;               // grad_scale (kHasScale only)
+// What the element loop reads from shared memory.
+struct SmemView {
+  const float* rep1;  // this lane's column of the replicated codebooks: rep[q << 5]
+  const float* rep2;
+  SmemCode sc1;
+  SmemCode sc2;
 };
 
-// One element of the update: dequantize, then adam_update of pagedopt/adam.h with one IEEE
-// operation at a time in the header's order. sqrt(v) / bias_correction2_sqrt goes through
-// div_by_rcp_d: sqrt(v) is 0, >= 2^-75, inf or NaN and bc2 <= 1 (any sane beta2), so the
-// quotient is never subnormal (and for a bc2 in (1, 2) it is >= 2^-76, still normal).
+// One element: dequantize the moments, then adam_update.
 template <bool kHasScale>
-__device__ __forceinline__ void adam_element(float& p, float g, float& m, float& v, uint32_t q1, uint32_t q2,
-                                             float a1, float a2, const float* rep1, const float* rep2, int lane,
-                                             const UpdateConsts& u, float step_size, double bc2_yd) {
-  const AdamStepConstants& c = *u.c;
-  float gf = kHasScale ? div_by(g, u.scale) : g;
-  p = __fmul_rn(p, u.pfac);
-  const float g_l2 = __fadd_rn(gf, __fmul_rn(c.weight_decay, p));
-  gf = u.l2 ? g_l2 : gf;
-  m = __fmul_rn(rep1[(q1 << 5) | lane], a1);  // dequantize_value
-  v = __fmul_rn(rep2[(q2 << 5) | lane], a2);
-  m = __fadd_rn(__fmul_rn(c.beta1, m), __fmul_rn(c.one_minus_beta1, gf));
-  v = __fadd_rn(__fmul_rn(c.beta2, v), __fmul_rn(__fmul_rn(c.one_minus_beta2, gf), gf));
-  const float denom = __fadd_rn(div_by_rcp_d(__fsqrt_rn(v), bc2_yd), c.eps);
-  p = __fsub_rn(p, __fdiv_rn(__fmul_rn(step_size, m), denom));
+__device__ __forceinline__ float adam_element(float p, float g, float& m, float& v, uint32_t q1, uint32_t q2,
+                                              float a1, float a2, const SmemView& sm, const AdamStepConstants& c,
+                                              float inv_scale) {
+  // dequantize_value, from this lane's copy of the codebook: rep[q * 32] at byte offset q << 7
+  m = *reinterpret_cast<const float*>(reinterpret_cast<const char*>(sm.rep1) + (q1 << 7)) * a1;
+  v = *reinterpret_cast<const float*>(reinterpret_cast<const char*>(sm.rep2) + (q2 << 7)) * a2;
+  return adam_update(p, kHasScale ? g * inv_scale : g, m, v, c);
 }
 
-// Codes of 8 values of one block given the block's absmax (normalize_by_absmax + nearest_code).
-// The common case runs branch-free; the rare ones (an x that div_fast cannot divide exactly, a
-// bucket with several thresholds, NaN) are redone afterwards, per lane.
+// Codes of 8 values of one block given 1 / absmax. The table path runs branch-free and redoes the
+// 8 values with nearest_code when one of them was NaN.
 template <bool kFast>
-__device__ __forceinline__ uint2 quantize8(const SmemCode& sc, const float (&x)[8], float absmax) {
+__device__ __forceinline__ uint2 quantize8(const SmemCode& sc, const float (&x)[8], float inv) {
   uint32_t c[8];
-  if (absmax > 0.0f) {  // warp-uniform
-    const Divisor d = make_divisor(absmax);
-    if (kFast) {
-      bool div_rare = false;
-      bool look_rare = false;
+  if (kFast) {
+    bool nan = false;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        div_rare = div_rare || div_absmax_needs_fixup(x[k], d);
-        c[k] = sc.nearest_fast_deferred(div_fast(x[k], d), look_rare);
-      }
-      if (div_rare || look_rare) {  // unrolled too: no dynamic indexing (it would put x in local memory)
+    for (int k = 0; k < 8; ++k) c[k] = sc.nearest_fast_unchecked(x[k] * inv, nan);
+    if (nan) {  // unrolled too: no dynamic indexing (it would put x in local memory)
 #pragma unroll
-        for (int k = 0; k < 8; ++k) c[k] = sc.nearest_fast(div_by_absmax(x[k], d));
-      }
-    } else {
-#pragma unroll
-      for (int k = 0; k < 8; ++k) c[k] = sc.nearest_ref(div_by_absmax(x[k], d));
+      for (int k = 0; k < 8; ++k) c[k] = sc.nearest_fast(x[k] * inv);
     }
-  } else {  // normalize_by_absmax gives 0 for every element
-    const uint32_t z = sc.nearest<kFast>(0.0f);
+  } else {
 #pragma unroll
-    for (int k = 0; k < 8; ++k) c[k] = z;
+    for (int k = 0; k < 8; ++k) c[k] = sc.nearest_ref(x[k] * inv);
   }
   return pack8(c);
 }
 
 // A full, aligned block: lane owns elements [8 lane, 8 lane + 8), vector loads and stores.
 template <typename T, bool kHasScale, bool kFast>
-__device__ __forceinline__ void adam_block_full(const TensorView& tv, int64_t lb, int lane, const float* rep1,
-                                                const float* rep2, const SmemCode& sc1, const SmemCode& sc2,
-                                                const UpdateConsts& u) {
+__device__ __forceinline__ void adam_block_full(const TensorView& tv, int64_t lb, int lane, const SmemView& sm,
+                                                const AdamStepConstants& c, float inv_scale) {
   const int64_t i0 = lb * kBlock + lane * 8;
   T* p = static_cast<T*>(tv.p) + i0;
   float pv[8];
   float gv[8];
   Elem<T>::load8(p, pv);
   Elem<T>::load8(static_cast<const T*>(tv.g) + i0, gv);
-  const uint2 w1 = *reinterpret_cast<const uint2*>(tv.q1 + i0);
-  const uint2 w2 = *reinterpret_cast<const uint2*>(tv.q2 + i0);
+  const uint2 w1 = __ldcs(reinterpret_cast<const uint2*>(tv.q1 + i0));
+  const uint2 w2 = __ldcs(reinterpret_cast<const uint2*>(tv.q2 + i0));
   const float a1 = tv.a1[lb];
   const float a2 = tv.a2[lb];
   float m[8];
@@ -239,25 +209,20 @@ __device__ __forceinline__ void adam_block_full(const TensorView& tv, int64_t lb
   float mx2 = 0.0f;
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
-    adam_element<kHasScale>(pv[k], gv[k], m[k], v[k], byte_of(w1, k), byte_of(w2, k), a1, a2, rep1, rep2, lane, u,
-                            tv.step_size, tv.bc2_yd);
-    mx1 = max_like_cpu(mx1, fabsf(m[k]));
-    mx2 = max_like_cpu(mx2, fabsf(v[k]));
+    pv[k] = adam_element<kHasScale>(pv[k], gv[k], m[k], v[k], byte_of(w1, k), byte_of(w2, k), a1, a2, sm, c,
+                                    inv_scale);
+    mx1 = fmaxf(mx1, fabsf(m[k]));  // fmaxf skips NaN, as the CPU's std::max(acc, x) does
+    mx2 = fmaxf(mx2, fabsf(v[k]));
   }
   Elem<T>::store8(p, pv);
-  mx1 = warp_max(mx1);
-  mx2 = warp_max(mx2);
-  *reinterpret_cast<uint2*>(tv.q1 + i0) = quantize8<kFast>(sc1, m, mx1);
-  *reinterpret_cast<uint2*>(tv.q2 + i0) = quantize8<kFast>(sc2, v, mx2);
-  if (lane == 0) {  // every lane has read a1/a2 before the shuffles above
+  mx1 = warp_max_nonneg(mx1);
+  mx2 = warp_max_nonneg(mx2);
+  __stcs(reinterpret_cast<uint2*>(tv.q1 + i0), quantize8<kFast>(sm.sc1, m, absmax_reciprocal(mx1)));
+  __stcs(reinterpret_cast<uint2*>(tv.q2 + i0), quantize8<kFast>(sm.sc2, v, absmax_reciprocal(mx2)));
+  if (lane == 0) {  // every lane has read a1/a2 before the reductions above
     tv.a1[lb] = mx1;
     tv.a2[lb] = mx2;
   }
-}
-
-template <bool kFast>
-__device__ __forceinline__ uint32_t quantize_one(const SmemCode& sc, float x, float absmax, const Divisor& d) {
-  return sc.nearest<kFast>(absmax > 0.0f ? div_by_absmax(x, d) : 0.0f);  // normalize_by_absmax
 }
 
 // A tail block, or any block of a tensor whose pointers are not aligned for vector access:
@@ -265,9 +230,8 @@ __device__ __forceinline__ uint32_t quantize_one(const SmemCode& sc, float x, fl
 // inputs: the first finds the new absmax, the second recomputes the (deterministic) update and
 // writes everything; nothing is written before the second pass reads it.
 template <typename T, bool kHasScale, bool kFast>
-__device__ __forceinline__ void adam_block_partial(const TensorView& tv, int64_t lb, int lane, const float* rep1,
-                                                   const float* rep2, const SmemCode& sc1, const SmemCode& sc2,
-                                                   const UpdateConsts& u) {
+__device__ __forceinline__ void adam_block_partial(const TensorView& tv, int64_t lb, int lane, const SmemView& sm,
+                                                   const AdamStepConstants& c, float inv_scale) {
   const int64_t lo = lb * kBlock;
   T* p = static_cast<T*>(tv.p);
   const T* g = static_cast<const T*>(tv.g);
@@ -279,35 +243,33 @@ __device__ __forceinline__ void adam_block_partial(const TensorView& tv, int64_t
   for (int k = 0; k < 8; ++k) {
     const int64_t i = lo + k * kWarp + lane;
     if (i < tv.numel) {
-      float pf = Elem<T>::load(p + i);
       float m;
       float v;
-      adam_element<kHasScale>(pf, Elem<T>::load(g + i), m, v, tv.q1[i], tv.q2[i], a1, a2, rep1, rep2, lane, u,
-                              tv.step_size, tv.bc2_yd);
-      mx1 = max_like_cpu(mx1, fabsf(m));
-      mx2 = max_like_cpu(mx2, fabsf(v));
+      adam_element<kHasScale>(Elem<T>::load(p + i), Elem<T>::load(g + i), m, v, tv.q1[i], tv.q2[i], a1, a2, sm, c,
+                              inv_scale);
+      mx1 = fmaxf(mx1, fabsf(m));
+      mx2 = fmaxf(mx2, fabsf(v));
     }
   }
-  mx1 = warp_max(mx1);
-  mx2 = warp_max(mx2);
-  const Divisor d1 = make_divisor(mx1);
-  const Divisor d2 = make_divisor(mx2);
+  mx1 = warp_max_nonneg(mx1);
+  mx2 = warp_max_nonneg(mx2);
+  const float inv1 = absmax_reciprocal(mx1);
+  const float inv2 = absmax_reciprocal(mx2);
 #pragma unroll 1
   for (int k = 0; k < 8; ++k) {
     const int64_t i = lo + k * kWarp + lane;
     if (i < tv.numel) {
-      float pf = Elem<T>::load(p + i);
       float m;
       float v;
-      adam_element<kHasScale>(pf, Elem<T>::load(g + i), m, v, tv.q1[i], tv.q2[i], a1, a2, rep1, rep2, lane, u,
-                              tv.step_size, tv.bc2_yd);
-      Elem<T>::store(p + i, pf);
-      tv.q1[i] = static_cast<uint8_t>(quantize_one<kFast>(sc1, m, mx1, d1));
-      tv.q2[i] = static_cast<uint8_t>(quantize_one<kFast>(sc2, v, mx2, d2));
+      const float pn = adam_element<kHasScale>(Elem<T>::load(p + i), Elem<T>::load(g + i), m, v, tv.q1[i], tv.q2[i],
+                                               a1, a2, sm, c, inv_scale);
+      Elem<T>::store(p + i, pn);
+      tv.q1[i] = static_cast<uint8_t>(sm.sc1.template nearest<kFast>(m * inv1));
+      tv.q2[i] = static_cast<uint8_t>(sm.sc2.template nearest<kFast>(v * inv2));
     }
   }
   __syncwarp();
-  if (lane == 0) {  // every lane has read a1/a2 (first lines) before the shuffles above
+  if (lane == 0) {  // every lane has read a1/a2 (first lines) before the reductions above
     tv.a1[lb] = mx1;
     tv.a2[lb] = mx2;
   }
@@ -317,8 +279,7 @@ __device__ __forceinline__ void adam_block_partial(const TensorView& tv, int64_t
 // finds its first tensor by a search over `starts`, then walks on. Block indices fit in 32 bits
 // (checked on the host); element indices are 64-bit.
 template <typename T, bool kHasScale, bool kFast>
-__device__ __forceinline__ void adam_warp_loop(const AdamKernelArgs& args, const float* rep1, const float* rep2,
-                                               const SmemCode& sc1, const SmemCode& sc2) {
+__device__ __forceinline__ void adam_warp_loop(const AdamKernelArgs& args, const SmemView& sm) {
   const int lane = threadIdx.x % kWarp;
   const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
   const int warps = gridDim.x * kWarpsPerBlock;
@@ -327,11 +288,8 @@ __device__ __forceinline__ void adam_warp_loop(const AdamKernelArgs& args, const
   if (first >= args.total_blocks) return;
   int b = static_cast<int>(first);  // < total_blocks < 2^31
   const int end = static_cast<int>(min(args.total_blocks, first + chunk));
-  UpdateConsts u;
-  u.c = &args.c;
-  u.scale = make_divisor(kHasScale ? *args.grad_scale : 1.0f);
-  u.l2 = args.c.weight_decay != 0.0f && !args.c.decoupled;
-  u.pfac = (args.c.weight_decay != 0.0f && args.c.decoupled) ? args.c.decay_factor : 1.0f;
+  const float inv_scale = kHasScale ? 1.0f / *args.grad_scale : 1.0f;  // as the CPU kernel
+  AdamStepConstants c = args.c;
   int t = find_tensor(args.starts, args.ntensors, b, lane);
   int t_begin = static_cast<int>(args.starts[t]);
   int t_end = static_cast<int>(args.starts[t + 1]);
@@ -342,17 +300,19 @@ __device__ __forceinline__ void adam_warp_loop(const AdamKernelArgs& args, const
       t_end = static_cast<int>(args.starts[t + 1]);
     }
     const TensorView tv = load_tensor(args, t);
+    c.step_size = tv.s.step_size;
+    c.inv_bias_correction2_sqrt = tv.s.inv_bc2;
     const int64_t lb = b - t_begin;
     if (tv.vec_ok && (lb + 1) * kBlock <= tv.numel) {
-      adam_block_full<T, kHasScale, kFast>(tv, lb, lane, rep1, rep2, sc1, sc2, u);
+      adam_block_full<T, kHasScale, kFast>(tv, lb, lane, sm, c, inv_scale);
     } else {
-      adam_block_partial<T, kHasScale, kFast>(tv, lb, lane, rep1, rep2, sc1, sc2, u);
+      adam_block_partial<T, kHasScale, kFast>(tv, lb, lane, sm, c, inv_scale);
     }
   }
 }
 
-template <typename T, bool kHasScale, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) adam8bit_kernel(const AdamKernelArgs args) {
+template <typename T, bool kHasScale>
+__global__ void __launch_bounds__(kThreads, 1) adam8bit_kernel(const AdamKernelArgs args) {
   if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;  // block-uniform
   extern __shared__ __align__(16) unsigned char smem[];
   float* rep1 = reinterpret_cast<float*>(smem);
@@ -363,47 +323,34 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) adam8bit_kernel(const Ad
   }
   const bool fast1 = load_smem_code(smem + kCode1Offset, args.code1, args.tables);
   const bool fast2 = load_smem_code(smem + kCode2Offset, args.code2, args.tables + 1);
-  const SmemCode sc1 = smem_code_view(smem + kCode1Offset);
-  const SmemCode sc2 = smem_code_view(smem + kCode2Offset);
+  const int lane = threadIdx.x % kWarp;
+  const SmemView sm{rep1 + lane, rep2 + lane, smem_code_view(smem + kCode1Offset), smem_code_view(smem + kCode2Offset)};
   if (fast1 && fast2) {
-    adam_warp_loop<T, kHasScale, true>(args, rep1, rep2, sc1, sc2);
+    adam_warp_loop<T, kHasScale, true>(args, sm);
   } else {
-    adam_warp_loop<T, kHasScale, false>(args, rep1, rep2, sc1, sc2);
+    adam_warp_loop<T, kHasScale, false>(args, sm);
   }
 }
 
-// Per device: dynamic shared memory opted in, and resident blocks per SM.
-template <typename T, bool kHasScale, int kMinBlocks>
-int prepare_kernel(int device) {
-  static std::atomic<int> blocks_per_sm[64] = {};
+// Per device: dynamic shared memory opted in.
+template <typename T, bool kHasScale>
+void prepare_kernel(int device) {
+  static std::atomic<bool> ready[64] = {};
   TORCH_CHECK(device >= 0 && device < 64, "adam8bit_step_: device index ", device, " out of range");
-  int cached = blocks_per_sm[device].load(std::memory_order_relaxed);
-  if (cached > 0) return cached;
-  auto* kernel = adam8bit_kernel<T, kHasScale, kMinBlocks>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  if (ready[device].load(std::memory_order_relaxed)) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(adam8bit_kernel<T, kHasScale>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(kAdamSmemBytes)));
-  int n = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kAdamSmemBytes));
-  n = std::max(n, 1);
-  blocks_per_sm[device].store(n, std::memory_order_relaxed);
-  return n;
+  ready[device].store(true, std::memory_order_relaxed);
 }
 
-template <typename T, bool kHasScale, int kMinBlocks>
-void launch_group_bounded(const AdamKernelArgs& args, int device, cudaStream_t stream) {
-  const int per_sm = prepare_kernel<T, kHasScale, kMinBlocks>(device);
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t want = ceil_div(args.total_blocks, int64_t{kWarpsPerBlock});
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t{sms} * per_sm)));
-  adam8bit_kernel<T, kHasScale, kMinBlocks><<<grid, kThreads, kAdamSmemBytes, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// Registers are capped at 64 so that two 512-thread blocks share an SM (a few spills). Lifting
-// the cap (one block per SM, no spills) measured slower on the H200: 12.9 ms against 11.6 ms.
 template <typename T, bool kHasScale>
 void launch_group(const AdamKernelArgs& args, int device, cudaStream_t stream) {
-  launch_group_bounded<T, kHasScale, kMinBlocksPerSm>(args, device, stream);
+  prepare_kernel<T, kHasScale>(device);
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t want = ceil_div(args.total_blocks, int64_t{kWarpsPerBlock});
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t{sms})));
+  adam8bit_kernel<T, kHasScale><<<grid, kThreads, kAdamSmemBytes, stream>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -492,7 +439,7 @@ void adam8bit_step_cuda_unchecked(at::TensorList params, at::TensorList grads, a
   AdamKernelArgs args;
   args.c = adam_step_constants(h, 1.0f);
   args.c.step_size = 0.0f;  // per tensor, from consts
-  args.c.bias_correction2_sqrt = 0.0f;
+  args.c.inv_bias_correction2_sqrt = 0.0f;
   args.code1 = code1.data_ptr<float>();
   args.code2 = code2.data_ptr<float>();
   args.tables = tables;

@@ -1,5 +1,5 @@
 // CUDA blockwise quantize / dequantize. Same results as csrc/cpu/quantize.cpp, bit for bit:
-// the same absmax (an exact max), IEEE division for x / absmax, and nearest_code (or the exact
+// the same absmax (an exact max), x * absmax_reciprocal(absmax), and nearest_code (or the exact
 // table search of multi_tensor.cuh, which returns the same code for every float).
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -50,18 +50,12 @@ __device__ __forceinline__ void quantize_block256(const T* __restrict__ x, int64
   }
   float mx = 0.0f;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) mx = max_like_cpu(mx, fabsf(v[k]));
-  mx = warp_max(mx);
+  for (int k = 0; k < 8; ++k) mx = fmaxf(mx, fabsf(v[k]));  // skips NaN, as the CPU's std::max does
+  mx = warp_max_nonneg(mx);
+  const float inv = absmax_reciprocal(mx);
   uint32_t c[8];
-  if (mx > 0.0f) {  // warp-uniform
-    const Divisor d = make_divisor(mx);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) c[k] = sc.nearest<kFast>(div_by_absmax(v[k], d));
-  } else {  // normalize_by_absmax is 0 for every element
-    const uint32_t z = sc.nearest<kFast>(0.0f);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) c[k] = z;
-  }
+  for (int k = 0; k < 8; ++k) c[k] = sc.nearest<kFast>(v[k] * inv);
   if (full) {
     *reinterpret_cast<uint2*>(codes + lo + lane * 8) = pack8(c);
   } else {
@@ -83,12 +77,11 @@ __device__ __forceinline__ void quantize_block_generic(const T* __restrict__ x, 
   const int64_t lo = b * blocksize;
   const int64_t len = std::min(blocksize, n - lo);
   float mx = 0.0f;
-  for (int64_t i = lane; i < len; i += kWarp) mx = max_like_cpu(mx, fabsf(Elem<T>::load(x + lo + i)));
-  mx = warp_max(mx);
-  const Divisor d = make_divisor(mx);
+  for (int64_t i = lane; i < len; i += kWarp) mx = fmaxf(mx, fabsf(Elem<T>::load(x + lo + i)));
+  mx = warp_max_nonneg(mx);
+  const float inv = absmax_reciprocal(mx);
   for (int64_t i = lane; i < len; i += kWarp) {
-    const float xv = Elem<T>::load(x + lo + i);
-    codes[lo + i] = static_cast<uint8_t>(sc.nearest<kFast>(mx > 0.0f ? div_by_absmax(xv, d) : 0.0f));
+    codes[lo + i] = static_cast<uint8_t>(sc.nearest<kFast>(Elem<T>::load(x + lo + i) * inv));
   }
   if (lane == 0) absmax[b] = mx;
 }

@@ -22,13 +22,15 @@ PAGEDOPT_UNROLL
   return static_cast<uint8_t>(d_upper < d_lower ? upper : idx);
 }
 
-// x / absmax, with an all-zero block (absmax == 0) mapping to the code nearest zero.
-PAGEDOPT_HOST_DEVICE float normalize_by_absmax(float x, float absmax) {
-  return absmax > 0.0f ? x / absmax : 0.0f;
+// A block's values are normalized as x * absmax_reciprocal(absmax): one correctly rounded reciprocal
+// per block, then a multiplication per value (within one ulp of x / absmax). A block whose absmax
+// is zero, or below the smallest normal float (every value under 1.2e-38), normalizes to zero.
+PAGEDOPT_HOST_DEVICE float absmax_reciprocal(float absmax) {
+  return absmax >= 1.17549435e-38f ? 1.0f / absmax : 0.0f;
 }
 
-PAGEDOPT_HOST_DEVICE uint8_t quantize_value(const float* code, float x, float absmax) {
-  return nearest_code(code, normalize_by_absmax(x, absmax));
+PAGEDOPT_HOST_DEVICE uint8_t quantize_value(const float* code, float x, float inv_absmax) {
+  return nearest_code(code, x * inv_absmax);
 }
 
 PAGEDOPT_HOST_DEVICE float dequantize_value(const float* code, uint8_t q, float absmax) {
