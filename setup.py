@@ -6,6 +6,7 @@ PAGEDOPT_CUDA=0 builds the CPU kernels only.
 import glob
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,6 +46,25 @@ def _wheel_cuda_includes():
     return dirs
 
 
+def _libstdcxx_link_args():
+    """Link libstdc++ dynamically, like torch. Where the compiler's own libstdc++.so is missing
+    (only libstdc++.a is installed, as on one GPU image we use), the linker silently embeds a
+    static copy; its second, uninitialised iostream/locale state then crashes the first error
+    message formatted in the extension. Name the runtime library explicitly there."""
+    if os.environ.get("PAGEDOPT_LINK_LIBSTDCXX", "auto") == "off":
+        return []
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                               timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if os.path.isabs(found) and os.path.exists(found):
+        return []
+    print("pagedopt: the compiler has no libstdc++.so; linking the runtime libstdc++.so.6 explicitly", flush=True)
+    return ["-l:libstdc++.so.6"]
+
+
 def _want_cuda():
     flag = os.environ.get("PAGEDOPT_CUDA", "").strip()
     cuda_home = _find_cuda_home()
@@ -71,6 +91,7 @@ def build_extension():
     cxx = ["-O3", "-fopenmp"]
     nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
     define_macros = []
+    link_args = ["-fopenmp"] + _libstdcxx_link_args()
     if with_cuda:
         os.environ["CUDA_HOME"] = cuda_home
         cpp_extension.CUDA_HOME = cuda_home
@@ -87,12 +108,12 @@ def build_extension():
         define_macros.append(("PAGEDOPT_WITH_CUDA", "1"))
         ext = cpp_extension.CUDAExtension(
             "pagedopt._C", sources, include_dirs=include_dirs, define_macros=define_macros,
-            extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=["-fopenmp"],
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=link_args,
         )
     else:
         ext = cpp_extension.CppExtension(
             "pagedopt._C", sources, include_dirs=include_dirs, define_macros=define_macros,
-            extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"],
+            extra_compile_args={"cxx": cxx}, extra_link_args=link_args,
         )
     print(f"pagedopt: building with CUDA={'yes (' + cuda_home + ')' if with_cuda else 'no'}", flush=True)
     return ext
