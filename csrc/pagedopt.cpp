@@ -27,6 +27,12 @@ TORCH_LIBRARY(pagedopt, m) {
       "Tensor code1, Tensor code2, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, bool decoupled, Tensor? grad_scale, Tensor? found_inf) -> ()");
 
+  // Validation of an optimizer's gradients in one call: the index of the first grads[i] that
+  // does not match params[i] (strided layout, same dtype, shape and device, a float32 / bfloat16 /
+  // float16 param), else kGradsContiguous (-1) or, when some param or grad is not contiguous,
+  // kGradsNotContiguous (-2).
+  m.def("check_grads(Tensor[] params, Tensor[] grads) -> int");
+
   // Unified (managed) memory, CUDA only. `to=None` means host memory.
   m.def("concurrent_managed_access(int device_index) -> bool");
   m.def("managed_empty(int[] size, ScalarType dtype, Device device) -> Tensor");

@@ -25,6 +25,16 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: torch.
     return ops.dequantize_blockwise(codes, absmax, code, blocksize, dtype)
 
 
+GRADS_CONTIGUOUS = -1
+GRADS_NOT_CONTIGUOUS = -2
+
+
+def check_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> int:
+    """Index of the first gradient that does not match its parameter, else GRADS_CONTIGUOUS or
+    GRADS_NOT_CONTIGUOUS."""
+    return ops.check_grads(list(params), list(grads))
+
+
 def adam8bit_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], state1, state2, absmax1,
                    absmax2, steps, code1: torch.Tensor, code2: torch.Tensor, *, lr: float, beta1: float,
                    beta2: float, eps: float, weight_decay: float, decoupled: bool,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import torch
 
@@ -31,6 +31,25 @@ _PAGED_CHUNK_BYTES = 64 << 20
 # a chunk in or out takes a few driver calls instead of one per tensor: on the H200 this took
 # page-in from 25 to 44 GB/s for the 714 state tensors of a 1.1B-parameter model.
 _PAGED_SLAB_BYTES = 64 << 20
+
+
+_STATE_KEYS = {True: ("state1", "state2", "absmax1", "absmax2", "step"), False: ("state1", "state2", "step")}
+
+
+class _Bucket(NamedTuple):
+    gi: int
+    device: torch.device
+    eight_bit: bool
+    index: list[int]           # positions in step()'s list of parameters with gradients
+    params: list[torch.Tensor]
+    states: list[dict]
+    lists: tuple               # one list per key of _STATE_KEYS[eight_bit]
+
+
+class _StepPlan(NamedTuple):
+    key: tuple
+    buckets: list[_Bucket]
+    steps_by_device: dict
 
 
 def _describe(gi: int, pi: int, p: torch.Tensor) -> str:
@@ -71,6 +90,7 @@ class AdamBase(torch.optim.Optimizer):
 
             self._pager = PageManager(arena_bytes=_PAGED_SLAB_BYTES)
         self._codebooks: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._plan_version = 0  # bumped whenever param groups or states are replaced
         super().__init__(params, defaults)
         for group in self.param_groups:
             self._check_hyperparameters(group, "param group")
@@ -101,6 +121,7 @@ class AdamBase(torch.optim.Optimizer):
             raise ValueError(f"Invalid {where} min_8bit_size: {m!r} (must be an int >= 0)")
 
     def add_param_group(self, param_group: dict) -> None:
+        self._plan_version = getattr(self, "_plan_version", 0) + 1
         super().add_param_group(param_group)
         self._check_hyperparameters(self.param_groups[-1], "param group")
 
@@ -162,58 +183,89 @@ class AdamBase(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        # 1. Validate everything before any state changes.
-        work = []
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                self._check_param(gi, pi, p)
-                work.append((gi, group, p))
-        if not work:
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is not None:
+                    params.append(p)
+                    grads.append(g)
+        if not params:
             return loss
+
+        # 1. Validate every gradient (one C++ call) before any state changes.
+        verdict = _ops.check_grads(params, grads)
+        if verdict >= 0:
+            self._raise_bad_grad(params[verdict])
+        plan = self._step_plan(params)
+        contiguous = verdict == _ops.GRADS_CONTIGUOUS
 
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-
-        # 2. Bucket by (group, device, dtype, state width, codebooks); each bucket is one fused
-        # call. Codebooks differ only when a checkpoint brought its own.
-        buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        for gi, group, p in work:
-            state = self._init_state(group, p)
-            eight_bit = state["state1"].dtype == torch.uint8
-            codebooks = (id(state["qmap1"]), id(state["qmap2"])) if eight_bit else None
-            buckets[(gi, p.device, p.dtype, eight_bit, codebooks)].append(p)
-
-        steps_by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        for (_, device, _, _, _), params in buckets.items():
-            steps_by_device[device] += [self.state[p]["step"] for p in params]
-        for device, steps in steps_by_device.items():
+        for device, steps in plan.steps_by_device.items():
             torch._foreach_add_(steps, 1.0)
-
         if self._pager is not None:
             self._pager.begin_step()
-        for (gi, device, dtype, eight_bit, _), params in buckets.items():
-            group = self.param_groups[gi]
+        for bucket in plan.buckets:
+            group = self.param_groups[bucket.gi]
+            device = bucket.device
             scale = None if grad_scale is None else grad_scale.to(device, non_blocking=True)
             inf = None if found_inf is None else found_inf.to(device, non_blocking=True)
-            if eight_bit:
-                self._step_8bit(group, params, scale, inf)
+            bucket_grads = [grads[i] for i in bucket.index]
+            if bucket.eight_bit:
+                self._step_8bit(group, bucket, bucket_grads, contiguous, scale, inf)
             else:
-                self._step_32bit(group, params, scale, inf)
+                self._step_32bit(group, bucket, bucket_grads, contiguous, scale, inf)
 
         if found_inf is not None:
-            for device, steps in steps_by_device.items():
+            for device, steps in plan.steps_by_device.items():
                 torch._foreach_sub_(steps, found_inf.to(device, non_blocking=True))
         return loss
 
+    def _raise_bad_grad(self, p: torch.Tensor) -> None:
+        for gi, group in enumerate(self.param_groups):
+            for pi, q in enumerate(group["params"]):
+                if q is p:
+                    self._check_param(gi, pi, p)
+        raise ValueError(f"a gradient does not match its parameter (shape {tuple(p.shape)}, {p.dtype})")
+
+    def _step_plan(self, params: list[torch.Tensor]) -> "_StepPlan":
+        """The buckets of this set of parameters, built once and reused while the parameters with
+        gradients, the param groups and the state stay the same. Bucket by (group, device, dtype,
+        state width, codebooks); each bucket is one fused call. Codebooks differ only when a
+        checkpoint brought its own."""
+        key = (id(self.state), len(self.state), self._plan_version, tuple(map(id, params)))
+        plan = getattr(self, "_plan", None)
+        if plan is not None and plan.key == key:
+            return plan
+        group_of = {id(p): gi for gi, group in enumerate(self.param_groups) for p in group["params"]}
+        members: dict[tuple, list[int]] = defaultdict(list)
+        for i, p in enumerate(params):
+            gi = group_of[id(p)]
+            state = self._init_state(self.param_groups[gi], p)
+            eight_bit = state["state1"].dtype == torch.uint8
+            codebooks = (id(state["qmap1"]), id(state["qmap2"])) if eight_bit else None
+            members[(gi, p.device, p.dtype, eight_bit, codebooks)].append(i)
+        buckets = []
+        steps_by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for (gi, device, _, eight_bit, _), index in members.items():
+            bucket_params = [params[i] for i in index]
+            states = [self.state[p] for p in bucket_params]
+            buckets.append(_Bucket(gi, device, eight_bit, index, bucket_params, states,
+                                   tuple([s[k] for s in states] for k in _STATE_KEYS[eight_bit])))
+            steps_by_device[device] += [s["step"] for s in states]
+        key = (id(self.state), len(self.state), self._plan_version, key[3])  # states may have been created
+        self._plan = _StepPlan(key, buckets, dict(steps_by_device))
+        return self._plan
+
     @staticmethod
-    def _contiguous_views(params: list[torch.Tensor]):
+    def _contiguous_views(params: list[torch.Tensor], grads: list[torch.Tensor]):
         """Kernels need contiguous tensors; a non-contiguous parameter is updated through a
         contiguous copy that is written back afterwards."""
         work_params = [p if p.is_contiguous() else p.contiguous() for p in params]
-        grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
-        return work_params, grads
+        work_grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        return work_params, work_grads
 
     @staticmethod
     def _write_back(params: list[torch.Tensor], work_params: list[torch.Tensor]) -> None:
@@ -221,55 +273,68 @@ class AdamBase(torch.optim.Optimizer):
             if w is not p:
                 p.copy_(w)
 
-    def _chunks(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    def _chunks(self, bucket: "_Bucket") -> list[list[int]]:
+        """Positions in the bucket, in chunks: all at once unless paged states are not resident."""
+        everything = [list(range(len(bucket.params)))]
         if self._pager is None or self._pager.all_resident():
-            return [params]
+            return everything
         from ..paging import split_by_bytes
 
         keys = ("state1", "state2", "absmax1", "absmax2")
-        return split_by_bytes(params, lambda p: sum(self.state[p][k].numel() * self.state[p][k].element_size()
-                                                    for k in keys if k in self.state[p]), _PAGED_CHUNK_BYTES)
+        return split_by_bytes(everything[0], lambda j: sum(bucket.states[j][k].numel() * bucket.states[j][k].element_size()
+                                                           for k in keys if k in bucket.states[j]), _PAGED_CHUNK_BYTES)
 
-    def _paged_stages(self, chunks: list[list[torch.Tensor]]):
+    def _paged_stages(self, bucket: "_Bucket", chunks: list[list[int]]):
         if self._pager is None or self._pager.all_resident():
             return range(len(chunks))
         keys = ("state1", "state2", "absmax1", "absmax2")
-        return self._pager.stage([[self.state[p][k] for p in chunk for k in keys if k in self.state[p]]
+        return self._pager.stage([[bucket.states[j][k] for j in chunk for k in keys if k in bucket.states[j]]
                                   for chunk in chunks])
 
-    def _step_8bit(self, group: dict, params: list[torch.Tensor], grad_scale, found_inf) -> None:
-        beta1, beta2 = group["betas"]
-        chunks = self._chunks(params)
-        for i in self._paged_stages(chunks):
+    def _bucket_chunks(self, bucket: "_Bucket", grads: list[torch.Tensor], contiguous: bool):
+        """(params, grads, state lists) per chunk, in the order the chunks are to be updated."""
+        chunks = self._chunks(bucket)
+        for i in self._paged_stages(bucket, chunks):
             chunk = chunks[i]
-            states = [self.state[p] for p in chunk]
-            work_params, grads = self._contiguous_views(chunk)
-            _ops.adam8bit_step_(
-                work_params, grads, [s["state1"] for s in states], [s["state2"] for s in states],
-                [s["absmax1"] for s in states], [s["absmax2"] for s in states], [s["step"] for s in states],
-                states[0]["qmap1"], states[0]["qmap2"], lr=float(group["lr"]), beta1=float(beta1),
-                beta2=float(beta2), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                decoupled=self.decoupled, grad_scale=grad_scale, found_inf=found_inf)
-            self._write_back(chunk, work_params)
+            if len(chunks) == 1:
+                params, chunk_grads, lists = bucket.params, grads, bucket.lists
+            else:
+                params = [bucket.params[j] for j in chunk]
+                chunk_grads = [grads[j] for j in chunk]
+                lists = tuple([lst[j] for j in chunk] for lst in bucket.lists)
+            if contiguous:
+                yield params, params, chunk_grads, lists
+            else:
+                work_params, work_grads = self._contiguous_views(params, chunk_grads)
+                yield params, work_params, work_grads, lists
 
-    def _step_32bit(self, group: dict, params: list[torch.Tensor], grad_scale, found_inf) -> None:
+    def _step_8bit(self, group: dict, bucket: "_Bucket", grads, contiguous: bool, grad_scale, found_inf) -> None:
+        beta1, beta2 = group["betas"]
+        qmap1, qmap2 = bucket.states[0]["qmap1"], bucket.states[0]["qmap2"]
+        for params, work_params, work_grads, (state1, state2, absmax1, absmax2, steps) in self._bucket_chunks(
+                bucket, grads, contiguous):
+            _ops.ops.adam8bit_step_(
+                work_params, work_grads, state1, state2, absmax1, absmax2, steps, qmap1, qmap2,
+                float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                float(group["weight_decay"]), self.decoupled, grad_scale, found_inf)
+            if work_params is not params:
+                self._write_back(params, work_params)
+
+    def _step_32bit(self, group: dict, bucket: "_Bucket", grads, contiguous: bool, grad_scale, found_inf) -> None:
         """32-bit states reuse torch's fused Adam/AdamW kernel (CPU and CUDA)."""
         beta1, beta2 = group["betas"]
         fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
-        chunks = self._chunks(params)
-        for i in self._paged_stages(chunks):
-            chunk = chunks[i]
-            states = [self.state[p] for p in chunk]
-            work_params, grads = self._contiguous_views(chunk)
+        for params, work_params, work_grads, (state1, state2, steps) in self._bucket_chunks(bucket, grads,
+                                                                                              contiguous):
             # torch's fused kernel wants params, grads and states of one dtype; states stay fp32.
             if work_params[0].dtype != torch.float32:
                 work_params = [w.float() for w in work_params]
-                grads = [g.float() for g in grads]
-            fused(work_params, grads, [s["state1"] for s in states], [s["state2"] for s in states], [],
-                  [s["step"] for s in states], lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                  weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), amsgrad=False,
-                  maximize=False, grad_scale=grad_scale, found_inf=found_inf)
-            self._write_back(chunk, work_params)
+                work_grads = [g.float() for g in work_grads]
+            fused(work_params, work_grads, state1, state2, [], steps, lr=float(group["lr"]), beta1=float(beta1),
+                  beta2=float(beta2), weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
+                  amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+            if work_params is not params:
+                self._write_back(params, work_params)
 
     # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict) -> None:
@@ -286,6 +351,7 @@ class AdamBase(torch.optim.Optimizer):
             p = id_to_param.get(key)
             if p is not None:
                 self.state[p] = self._restore_state(p, saved_state)
+        self._plan_version += 1
 
     def _restore_state(self, p: torch.Tensor, saved: dict) -> dict:
         state = {}
