@@ -66,8 +66,9 @@ def _blocks(x: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, int]:
 
 
 def nearest_code_reference(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    """argmin_j |x - code[j]|, ties to the lower index, in fp32. Returns uint8 codes."""
+    """argmin_j |x - code[j]|, ties to the lower index, in fp32; NaN counts as 0.0. Returns uint8 codes."""
     x = x.float()
+    x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
     dist = (x.reshape(-1, 1) - code.to(x.device).reshape(1, -1)).abs()
     return dist.argmin(dim=1).to(torch.uint8).reshape(x.shape)
 

@@ -11,7 +11,7 @@
 // In the step kernel one warp owns one 256-element block: 8 consecutive elements per lane,
 // vector loads/stores, one warp reduction per absmax, and the codes written after the new absmax
 // is known. Dequantization reads a 32-way replicated codebook (lane l reads copy l: no bank
-// conflicts); quantization one table entry per value (multi_tensor.cuh).
+// conflicts); quantization one table entry per value (multi_tensor.cuh), branch-free.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -36,7 +36,7 @@ namespace {
 using namespace cuda_detail;
 
 // One 1024-thread block per SM (64 registers a thread): the replicated codebooks and the two
-// search tables take 115 KB of shared memory, too much for two blocks.
+// search tables take 130 KB of shared memory, too much for two blocks.
 constexpr int kThreads = 1024;
 constexpr int kWarpsPerBlock = kThreads / kWarp;
 constexpr int kBlock = static_cast<int>(kStateBlockSize);
@@ -152,41 +152,46 @@ __device__ __forceinline__ int find_tensor(const int64_t* __restrict__ starts, i
 
 // What the element loop reads from shared memory.
 struct SmemView {
-  const float* rep1;  // this lane's column of the replicated codebooks: rep[q << 5]
-  const float* rep2;
+  uint32_t rep1;  // shared address of this lane's column of the replicated codebooks: + (q << 7)
+  uint32_t rep2;
   SmemCode sc1;
   SmemCode sc2;
 };
 
-// One element: dequantize the moments, then adam_update.
+// One element: dequantize the moments (dequantize_value, from this lane's copy of the codebook),
+// then adam_update.
 template <bool kHasScale>
 __device__ __forceinline__ float adam_element(float p, float g, float& m, float& v, uint32_t q1, uint32_t q2,
                                               float a1, float a2, const SmemView& sm, const AdamStepConstants& c,
                                               float inv_scale) {
-  // dequantize_value, from this lane's copy of the codebook: rep[q * 32] at byte offset q << 7
-  m = *reinterpret_cast<const float*>(reinterpret_cast<const char*>(sm.rep1) + (q1 << 7)) * a1;
-  v = *reinterpret_cast<const float*>(reinterpret_cast<const char*>(sm.rep2) + (q2 << 7)) * a2;
+  m = lds_f32(sm.rep1 + (q1 << 7)) * a1;
+  v = lds_f32(sm.rep2 + (q2 << 7)) * a2;
   return adam_update(p, kHasScale ? g * inv_scale : g, m, v, c);
 }
 
-// Codes of 8 values of one block given 1 / absmax. The table path runs branch-free and redoes the
-// 8 values with nearest_code when one of them was NaN.
-template <bool kFast>
-__device__ __forceinline__ uint2 quantize8(const SmemCode& sc, const float (&x)[8], float inv) {
-  uint32_t c[8];
-  if (kFast) {
-    bool nan = false;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) c[k] = sc.nearest_fast_unchecked(x[k] * inv, nan);
-    if (nan) {  // unrolled too: no dynamic indexing (it would put x in local memory)
-#pragma unroll
-      for (int k = 0; k < 8; ++k) c[k] = sc.nearest_fast(x[k] * inv);
-    }
+// The lanes ask L2 for block lb's params, grads and codes, one 128-byte line each, so that the
+// warp's loads of them (after it has finished the current block) hit L2 instead of waiting for HBM.
+template <typename T>
+__device__ __forceinline__ void prefetch_block(const TensorView& tv, int64_t lb, int lane) {
+  constexpr int kLine = 128;
+  constexpr int kParamLines = kBlock * static_cast<int>(sizeof(T)) / kLine;
+  constexpr int kCodeLines = kBlock / kLine;
+  static_assert(2 * kParamLines + 2 * kCodeLines <= kWarp, "one line per lane");
+  const int64_t i0 = lb * kBlock;
+  const char* base;
+  int line = lane;
+  if (line < kParamLines) {
+    base = reinterpret_cast<const char*>(static_cast<const T*>(tv.p) + i0);
+  } else if ((line -= kParamLines) < kParamLines) {
+    base = reinterpret_cast<const char*>(static_cast<const T*>(tv.g) + i0);
+  } else if ((line -= kParamLines) < kCodeLines) {
+    base = reinterpret_cast<const char*>(tv.q1 + i0);
+  } else if ((line -= kCodeLines) < kCodeLines) {
+    base = reinterpret_cast<const char*>(tv.q2 + i0);
   } else {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) c[k] = sc.nearest_ref(x[k] * inv);
+    return;
   }
-  return pack8(c);
+  prefetch_l2(base + line * kLine);
 }
 
 // A full, aligned block: lane owns elements [8 lane, 8 lane + 8), vector loads and stores.
@@ -217,8 +222,8 @@ __device__ __forceinline__ void adam_block_full(const TensorView& tv, int64_t lb
   Elem<T>::store8(p, pv);
   mx1 = warp_max_nonneg(mx1);
   mx2 = warp_max_nonneg(mx2);
-  __stcs(reinterpret_cast<uint2*>(tv.q1 + i0), quantize8<kFast>(sm.sc1, m, absmax_reciprocal(mx1)));
-  __stcs(reinterpret_cast<uint2*>(tv.q2 + i0), quantize8<kFast>(sm.sc2, v, absmax_reciprocal(mx2)));
+  __stcs(reinterpret_cast<uint2*>(tv.q1 + i0), sm.sc1.template nearest8<kFast>(m, absmax_reciprocal(mx1)));
+  __stcs(reinterpret_cast<uint2*>(tv.q2 + i0), sm.sc2.template nearest8<kFast>(v, absmax_reciprocal(mx2)));
   if (lane == 0) {  // every lane has read a1/a2 before the reductions above
     tv.a1[lb] = mx1;
     tv.a2[lb] = mx2;
@@ -303,6 +308,7 @@ __device__ __forceinline__ void adam_warp_loop(const AdamKernelArgs& args, const
     c.step_size = tv.s.step_size;
     c.inv_bias_correction2_sqrt = tv.s.inv_bc2;
     const int64_t lb = b - t_begin;
+    if ((lb + 2) * kBlock <= tv.numel && b + 1 < end) prefetch_block<T>(tv, lb + 1, lane);  // the warp's next block
     if (tv.vec_ok && (lb + 1) * kBlock <= tv.numel) {
       adam_block_full<T, kHasScale, kFast>(tv, lb, lane, sm, c, inv_scale);
     } else {
@@ -324,7 +330,8 @@ __global__ void __launch_bounds__(kThreads, 1) adam8bit_kernel(const AdamKernelA
   const bool fast1 = load_smem_code(smem + kCode1Offset, args.code1, args.tables);
   const bool fast2 = load_smem_code(smem + kCode2Offset, args.code2, args.tables + 1);
   const int lane = threadIdx.x % kWarp;
-  const SmemView sm{rep1 + lane, rep2 + lane, smem_code_view(smem + kCode1Offset), smem_code_view(smem + kCode2Offset)};
+  const SmemView sm{smem_addr(rep1 + lane), smem_addr(rep2 + lane), smem_code_view(smem + kCode1Offset),
+                    smem_code_view(smem + kCode2Offset)};
   if (fast1 && fast2) {
     adam_warp_loop<T, kHasScale, true>(args, sm);
   } else {

@@ -116,24 +116,29 @@ PAGEDOPT_HOST_DEVICE double pow_step(double x, double t) {
 // A bucket holds the floats of one sign whose |x| share the top 16 bits (8 exponent bits and
 // kSubBits = 7 mantissa bits), for the kBinades binades below 1.0; everything smaller is bucket 0
 // and everything >= 1.0 (with inf) is the top bucket. The keys of a middle bucket are 2^16
-// consecutive keys that share their top 16 bits, so one 32-bit entry describes it completely when
-// r takes at most two values on it: the bucket's lowest code (bits 24-31) and the low 16 bits of
-// the first key whose code is one higher (bits 0-16; kNoThreshold when r is constant there):
-//     r(x) = lo + ((key(x) & 0xffff) >= threshold)
-// One shared load and a handful of integer operations per value. The two dynamic codebooks satisfy
-// the conditions (bucket 0 and the top bucket constant, at most one threshold per middle bucket);
-// a codebook that does not gets kBadEntry entries and the kernels use nearest_code itself. NaN maps
-// to code 0, as nearest_code does (all its comparisons are false); the kernels check for it.
+// consecutive keys that share their top 16 bits, so one 32-bit entry describes the bucket when r
+// takes at most two values on it, lo and lo + 1 from the threshold key t (1 <= t <= 0xffff, low 16
+// bits) on, or just lo (t = 0x10000):
+//     entry = (lo << 24) + (2^24 - t),   r(x) = (entry + (key(x) & 0xffff)) >> 24
+// (the sum carries into the top byte exactly when key & 0xffff >= t). So a lookup is a clamp, a
+// shared load, an add and a byte select; no branch. NaN clamps into bucket 0, whose code is that
+// of 0.0, as nearest_code quantizes NaN. The two dynamic codebooks satisfy the conditions (bucket 0
+// and the top bucket constant, at most one threshold per middle bucket); a codebook that does not
+// gets kBadEntry entries and the kernels use nearest_code itself.
 // ---------------------------------------------------------------------------------------------
 constexpr int kSubBits = 7;
 constexpr int kBinades = 24;
 constexpr uint32_t kBucketTop = static_cast<uint32_t>(kBinades) << kSubBits;  // local index of |x| >= 1
 constexpr uint32_t kHalfBuckets = kBucketTop + 1;                             // per sign
-constexpr uint32_t kBucketEntries = 2 * kHalfBuckets;
+constexpr uint32_t kNegOffset = 4096;  // negative x: entry kNegOffset + local index
+constexpr uint32_t kBucketEntries = 2 * kNegOffset;
 constexpr uint32_t kBucketBase = (0x3f800000u >> (23 - kSubBits)) - kBucketTop;
-constexpr uint32_t kNoThreshold = 0x10000u;     // no key's low 16 bits reach it
-constexpr uint32_t kBadEntry = 0xffffffffu;     // the codebook does not fit the table
+constexpr uint32_t kNoThreshold = 0x10000u;
+constexpr uint32_t kBadEntry = 0xffffffffu;  // the codebook does not fit the table
+constexpr float kSmallestBucketed = 0x1p-24f;  // bits (kBucketBase << 16): bucket 0
 static_assert(23 - kSubBits == 16, "a middle bucket spans the low 16 bits of the key");
+static_assert(kHalfBuckets <= kNegOffset, "the two signs' entries do not overlap");
+static_assert(kNegOffset == 0x80000000u >> 19, "table_index moves the sign bit to kNegOffset");
 
 // Global-memory image of one codebook's table (copied to shared memory by the kernels).
 struct alignas(16) CodeTable {
@@ -159,10 +164,15 @@ PAGEDOPT_HOST_DEVICE bool codebook_entry_ok(const float* code, int i) {
   return finite && (i + 1 >= kCodebookSize || code[i] <= code[i + 1]);
 }
 
-// The first and last key of bucket e.
-PAGEDOPT_HOST_DEVICE void bucket_keys(uint32_t e, uint32_t& first, uint32_t& last) {
-  const uint32_t neg = e >= kHalfBuckets ? 1u : 0u;
-  const uint32_t b = e - neg * kHalfBuckets;
+// Local index b (0..kBucketTop) and sign of entry e; false for the padding entries.
+PAGEDOPT_HOST_DEVICE bool entry_bucket(uint32_t e, uint32_t& b, bool& neg) {
+  neg = e >= kNegOffset;
+  b = neg ? e - kNegOffset : e;
+  return b <= kBucketTop;
+}
+
+// The first and last key of bucket (b, neg).
+PAGEDOPT_HOST_DEVICE void bucket_keys(uint32_t b, bool neg, uint32_t& first, uint32_t& last) {
   const uint32_t a0 = b == 0 ? 0u : (kBucketBase + b) << (23 - kSubBits);
   const uint32_t a1 = b == kBucketTop ? 0x7f800000u : ((kBucketBase + b + 1) << (23 - kSubBits)) - 1u;
   if (neg) {
@@ -174,52 +184,57 @@ PAGEDOPT_HOST_DEVICE void bucket_keys(uint32_t e, uint32_t& first, uint32_t& las
   }
 }
 
-// Entry e of the table of a finite, non-decreasing codebook (kBadEntry if it does not fit).
+// Entry e of the table of a finite, non-decreasing codebook (kBadEntry if it does not fit; 0 for
+// the padding between the two signs, which no float reaches).
 PAGEDOPT_HOST_DEVICE uint32_t bucket_entry(const float* code, uint32_t e) {
+  uint32_t b;
+  bool neg;
+  if (!entry_bucket(e, b, neg)) return 0;
   uint32_t first;
   uint32_t last;
-  bucket_keys(e, first, last);
+  bucket_keys(b, neg, first, last);
   const uint32_t lo = code_rank(code, first);
   const uint32_t hi = code_rank(code, last);
-  if (hi == lo) return (lo << 24) | kNoThreshold;
-  const bool middle = (first >> 16) == (last >> 16);
-  if (hi != lo + 1 || !middle) return kBadEntry;
-  uint32_t below = first;  // code_rank(below) == lo
-  uint32_t at = last;      // code_rank(at) == hi
-  while (at - below > 1) {
-    const uint32_t mid = below + (at - below) / 2;
-    if (code_rank(code, mid) >= hi) {
-      at = mid;
-    } else {
-      below = mid;
+  uint32_t threshold = kNoThreshold;
+  if (hi != lo) {
+    const bool middle = (first >> 16) == (last >> 16);
+    if (hi != lo + 1 || !middle) return kBadEntry;
+    uint32_t below = first;  // code_rank(below) == lo
+    uint32_t at = last;      // code_rank(at) == hi
+    while (at - below > 1) {
+      const uint32_t mid = below + (at - below) / 2;
+      if (code_rank(code, mid) >= hi) {
+        at = mid;
+      } else {
+        below = mid;
+      }
     }
+    threshold = at & 0xffffu;  // >= 1: the bucket's first key has code lo
   }
-  return (lo << 24) | (at & 0xffffu);
+  return (lo << 24) + (0x1000000u - threshold);
 }
 
-PAGEDOPT_HOST_DEVICE uint32_t bucket_index(uint32_t u) {
-  uint32_t local = (u & 0x7fffffffu) >> (23 - kSubBits);
-  local = local > kBucketBase ? local - kBucketBase : 0u;
-  local = local < kBucketTop ? local : kBucketTop;
-  return local + ((u & 0x80000000u) ? kHalfBuckets : 0u);
-}
-
-PAGEDOPT_HOST_DEVICE uint32_t key_of_bits(uint32_t u) {
-  return u ^ (static_cast<uint32_t>(static_cast<int32_t>(u) >> 31) | 0x80000000u);
-}
-
-PAGEDOPT_HOST_DEVICE bool is_nan_bits(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }
-
-// The table lookup for a non-NaN x, given x's entry.
-PAGEDOPT_HOST_DEVICE uint32_t lookup_entry(uint32_t e, uint32_t u) {
-  return (e >> 24) + ((key_of_bits(u) & 0xffffu) >= (e & 0x1ffffu) ? 1u : 0u);
-}
-
-// nearest_code(code, x) from a table whose entries are all valid.
-PAGEDOPT_HOST_DEVICE uint32_t fast_nearest_code(const uint32_t* table, float x) {
+// The table index of x (any float; NaN lands in bucket 0) and the low 16 bits of its key.
+PAGEDOPT_HOST_DEVICE uint32_t table_index(float x) {
   const uint32_t u = f32_bits(x);
-  if (is_nan_bits(u)) return 0;
-  return lookup_entry(table[bucket_index(u)], u);
+  const float a = fabsf(x);
+  const float at_least = a > kSmallestBucketed ? a : kSmallestBucketed;  // NaN -> kSmallestBucketed
+  const float clamped = at_least < 1.0f ? at_least : 1.0f;
+  const uint32_t local = (f32_bits(clamped) >> (23 - kSubBits)) - kBucketBase;
+  return local | ((u >> 19) & kNegOffset);  // the sign bit, moved to kNegOffset
+}
+
+PAGEDOPT_HOST_DEVICE uint32_t key_low16(float x) {
+  const uint32_t u = f32_bits(x);
+  return (u ^ static_cast<uint32_t>(static_cast<int32_t>(u) >> 31)) & 0xffffu;
+}
+
+// The code from x's entry: its top byte after adding x's low key bits.
+PAGEDOPT_HOST_DEVICE uint32_t entry_sum(uint32_t entry, float x) { return entry + key_low16(x); }
+
+// nearest_code(code, x) from a table whose entries are all valid, for every float x.
+PAGEDOPT_HOST_DEVICE uint32_t fast_nearest_code(const uint32_t* table, float x) {
+  return entry_sum(table[table_index(x)], x) >> 24;
 }
 
 }  // namespace cuda_detail
@@ -319,27 +334,63 @@ __device__ __forceinline__ float warp_max_nonneg(float x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Shared-memory copy of a codebook and its table.
+// Shared-memory copy of a codebook and its table, read through 32-bit shared addresses (so that an
+// element's address is one LEA from its index).
 // ---------------------------------------------------------------------------------------------
 constexpr size_t kSmemTableOffset = kCodebookSize * sizeof(float);
-constexpr size_t kSmemCodeBytes = kSmemTableOffset + (kBucketEntries * sizeof(uint32_t) + 15) / 16 * 16;
+constexpr size_t kSmemCodeBytes = kSmemTableOffset + kBucketEntries * sizeof(uint32_t);
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
+  uint32_t v;
+  asm("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ float lds_f32(uint32_t addr) {
+  float v;
+  asm("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+  return v;
+}
+
+// Asks for the cache line holding p to be brought into L2 (a hint: no registers, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// The top bytes of four 32-bit words, packed into one word (byte k from w[k]).
+__device__ __forceinline__ uint32_t top_bytes(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+  return __byte_perm(__byte_perm(w0, w1, 0x0073u), __byte_perm(w2, w3, 0x0073u), 0x5410u);
+}
 
 struct SmemCode {
   const float* code;
-  const uint32_t* table;
+  uint32_t table;  // shared address of the table
 
-  __device__ __forceinline__ uint32_t nearest_fast(float x) const { return fast_nearest_code(table, x); }
-  // The table lookup without the NaN check; `nan` records whether x was NaN (then the answer is 0).
-  __device__ __forceinline__ uint32_t nearest_fast_unchecked(float x, bool& nan) const {
-    const uint32_t u = __float_as_uint(x);
-    nan = nan || x != x;
-    return lookup_entry(table[bucket_index(u)], u);
+  __device__ __forceinline__ uint32_t entry_sum(float x) const {
+    return cuda_detail::entry_sum(lds_u32(table + 4 * table_index(x)), x);
   }
+  __device__ __forceinline__ uint32_t nearest_fast(float x) const { return entry_sum(x) >> 24; }
   // The reference search: for codebooks that do not fit the table.
   __device__ __forceinline__ uint32_t nearest_ref(float x) const { return nearest_code(code, x); }
   template <bool kFast>
   __device__ __forceinline__ uint32_t nearest(float x) const {
     return kFast ? nearest_fast(x) : nearest_ref(x);
+  }
+  // Codes of 8 values, packed as 8 bytes.
+  template <bool kFast>
+  __device__ __forceinline__ uint2 nearest8(const float (&x)[8], float scale) const {
+    if (kFast) {
+      uint32_t s[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) s[k] = entry_sum(x[k] * scale);
+      return make_uint2(top_bytes(s[0], s[1], s[2], s[3]), top_bytes(s[4], s[5], s[6], s[7]));
+    }
+    uint32_t c[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) c[k] = nearest_ref(x[k] * scale);
+    return pack8(c);
   }
 };
 
@@ -362,7 +413,7 @@ __device__ __forceinline__ bool load_smem_code(unsigned char* smem, const float*
 }
 
 __device__ __forceinline__ SmemCode smem_code_view(const unsigned char* smem) {
-  return SmemCode{reinterpret_cast<const float*>(smem), reinterpret_cast<const uint32_t*>(smem + kSmemTableOffset)};
+  return SmemCode{reinterpret_cast<const float*>(smem), smem_addr(smem + kSmemTableOffset)};
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -8,8 +8,10 @@
 namespace pagedopt {
 
 // Index of the codebook entry nearest to `x` in value, ties going to the lower index
-// (the same answer as argmin(|code - x|)). `code` must be sorted ascending.
+// (the same answer as argmin(|code - x|)); NaN is quantized as 0.0. `code` must be sorted
+// ascending.
 PAGEDOPT_HOST_DEVICE uint8_t nearest_code(const float* code, float x) {
+  if (x != x) x = 0.0f;
   int idx = 0;
 PAGEDOPT_UNROLL
   for (int step = kCodebookSize / 2; step > 0; step >>= 1) {
