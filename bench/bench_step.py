@@ -12,7 +12,8 @@ per parameter:
 and compared with the device copy bandwidth measured in the same run. "b2b ms" is the median
 device time of a step when steps are queued back to back (as in training, where the host
 prepares the next step while the GPU works), so host overhead is hidden there; "ms" has the
-device idle before each step, so it includes the host's time to launch. Paged optimizers are
+device idle before each step, so it includes the host's time to launch; "host ms" is the host
+time of one step() call (the Python and C++ work before the kernels run). Paged optimizers are
 also timed on the first step after a full page-out of their states.
 
     python bench/bench_step.py                      # everything, on CUDA
@@ -236,10 +237,18 @@ class Runner:
             st = C.stats(times)
             # Back to back: steps queued without waiting, as in training, where the host prepares the
             # next step while the GPU works: the device time of a step, with host overhead hidden.
-            b2b = C.time_ms(opt.step, device, 0, repeat, sync_each=False) if C.is_cuda(device) else times
+            host_ms: list[float] = []
+
+            def timed_step():
+                t0 = time.perf_counter()
+                opt.step()
+                host_ms.append((time.perf_counter() - t0) * 1e3)
+
+            b2b = C.time_ms(timed_step, device, 0, repeat, sync_each=False) if C.is_cuda(device) else times
             floor = base["floor_bytes_per_param"] * n
             case = {**base, **st, "first_step_ms": first_ms, "warmup": warmup,
                     "back_to_back_ms": statistics.median(b2b),
+                    "host_ms": statistics.median(host_ms) if host_ms else None,
                     "gbps": C.gbps(floor, st["median_ms"]),
                     "floor_ms": None if not self.copy_gbps else floor / (self.copy_gbps * C.GB) * 1e3,
                     "state_bytes": C.state_bytes(opt),

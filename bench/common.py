@@ -391,8 +391,9 @@ def step_table(step: dict) -> str:
         sb = c.get("state_bytes")
         rows.append([c.get("name"), c.get("set"), c.get("dtype"), c.get("mode"), c.get("median_ms"),
                      c.get("gbps"), None if c.get("frac_copy") is None else 100 * c["frac_copy"],
-                     c.get("back_to_back_ms"), None if not sb else sb / GiB, note[:60]])
-    return table(rows, ["optimizer", "set", "dtype", "mode", "ms", "GB/s", "%copy", "b2b ms", "state GiB", "note"])
+                     c.get("back_to_back_ms"), c.get("host_ms"), None if not sb else sb / GiB, note[:60]])
+    return table(rows, ["optimizer", "set", "dtype", "mode", "ms", "GB/s", "%copy", "b2b ms", "host ms", "state GiB",
+                        "note"])
 
 
 def quant_table(quant: dict) -> str:

@@ -120,37 +120,29 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* __restrict_
   }
 }
 
-// Each thread writes 16 consecutive outputs (blocksize is a multiple of 32, so they share a block)
-// from one 16-byte load of codes; the codebook is replicated 32 times in shared memory (lane l
-// reads copy l), so the random code lookups of a warp hit 32 different banks.
+// Each thread writes 8 consecutive outputs (blocksize is a multiple of 8, so they share a block).
 template <typename T, bool kPow2>
 __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __restrict__ q,
                                                                 const float* __restrict__ absmax,
                                                                 const float* __restrict__ code, T* __restrict__ out,
                                                                 int64_t n, int64_t blocksize, int shift,
                                                                 bool vec_ok) {
-  __shared__ float s_rep[kCodebookSize * kWarp];
-  for (int i = threadIdx.x; i < kCodebookSize * kWarp; i += blockDim.x) s_rep[i] = code[i / kWarp];
+  __shared__ float s_code[kCodebookSize];
+  for (int i = threadIdx.x; i < kCodebookSize; i += blockDim.x) s_code[i] = code[i];
   __syncthreads();
-  const uint32_t rep = smem_addr(s_rep + threadIdx.x % kWarp);  // + (q << 7): copy of this lane
-  const int64_t groups = ceil_div(n, 16);
+  const int64_t groups = ceil_div(n, 8);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t gi = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; gi < groups; gi += stride) {
-    const int64_t i0 = gi * 16;
+    const int64_t i0 = gi * 8;
     const float a = absmax[kPow2 ? (i0 >> shift) : (i0 / blocksize)];
-    if (vec_ok && i0 + 16 <= n) {
-      const uint4 w = __ldcs(reinterpret_cast<const uint4*>(q + i0));
-      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+    if (vec_ok && i0 + 8 <= n) {
+      const uint2 w = *reinterpret_cast<const uint2*>(q + i0);
+      float o[8];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint2 half = make_uint2(words[2 * h], words[2 * h + 1]);
-        float o[8];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) o[k] = lds_f32(rep + (byte_of(half, k) << 7)) * a;  // dequantize_value
-        Elem<T>::store8(out + i0 + 8 * h, o);
-      }
+      for (int k = 0; k < 8; ++k) o[k] = __fmul_rn(s_code[byte_of(w, k)], a);
+      Elem<T>::store8(out + i0, o);
     } else {
-      for (int64_t i = i0; i < n && i < i0 + 16; ++i) Elem<T>::store(out + i, dequantize_value(code, q[i], a));
+      for (int64_t i = i0; i < n && i < i0 + 8; ++i) Elem<T>::store(out + i, __fmul_rn(s_code[q[i]], a));
     }
   }
 }
@@ -217,12 +209,12 @@ at::Tensor dequantize_blockwise_cuda_unchecked(const at::Tensor& codes_in, const
   at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(dtype));
   if (n == 0) return out;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const bool vec_ok = reinterpret_cast<uintptr_t>(codes.data_ptr()) % 16 == 0 &&
-                      reinterpret_cast<uintptr_t>(out.data_ptr()) % 32 == 0;
+  const bool vec_ok = reinterpret_cast<uintptr_t>(codes.data_ptr()) % 8 == 0 &&
+                      reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
   const bool pow2 = (blocksize & (blocksize - 1)) == 0;
   int shift = 0;
   while ((int64_t{1} << shift) < blocksize) ++shift;
-  const int grid = grid_for(ceil_div(n, 16), kThreads, 8);
+  const int grid = grid_for(ceil_div(n, 8), kThreads, 16);
   auto launch = [&](auto* os) {
     using T = std::remove_pointer_t<decltype(os)>;
     if (pow2) {
