@@ -4,6 +4,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "pagedopt/adam_state_list.h"
+
 extern "C" {
 // `import pagedopt._C` loads this library, which runs the registrations below.
 PyObject* PyInit__C(void) {
@@ -26,6 +28,14 @@ TORCH_LIBRARY(pagedopt, m) {
       "Tensor(c!)[] state2, Tensor(d!)[] absmax1, Tensor(e!)[] absmax2, Tensor[] steps, "
       "Tensor code1, Tensor code2, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, bool decoupled, Tensor? grad_scale, Tensor? found_inf) -> ()");
+
+  // The same step with the params, states, steps and codebooks held by an AdamStateList
+  // (pagedopt/adam_state_list.h, built once per bucket of parameters), so that a step passes only
+  // its gradients.
+  m.def(
+      "adam8bit_step_list_(__torch__.torch.classes.pagedopt.AdamStateList states, Tensor[] grads, float lr, "
+      "float beta1, float beta2, float eps, float weight_decay, bool decoupled, Tensor? grad_scale, "
+      "Tensor? found_inf) -> ()");
 
   // Validation of an optimizer's gradients in one call: the index of the first grads[i] that
   // does not match params[i] (strided layout, same dtype, shape and device, a float32 / bfloat16 /

@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "pagedopt/adam.h"
+#include "pagedopt/adam_state_list.h"
 #include "pagedopt/checks.h"
 #include "pagedopt/codebook.h"
 
@@ -80,6 +81,9 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(pagedopt, CPU, m) { m.impl("adam8bit_step_", &adam8bit_step_cpu); }
+TORCH_LIBRARY_IMPL(pagedopt, CPU, m) {
+  m.impl("adam8bit_step_", &adam8bit_step_cpu);
+  m.impl("adam8bit_step_list_", &adam8bit_step_list<adam8bit_step_cpu>);
+}
 
 }  // namespace pagedopt

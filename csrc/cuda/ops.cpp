@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "launch.h"
+#include "pagedopt/adam_state_list.h"
 #include "pagedopt/checks.h"
 
 namespace pagedopt {
@@ -41,6 +42,7 @@ TORCH_LIBRARY_IMPL(pagedopt, CUDA, m) {
   m.impl("quantize_blockwise", &quantize_blockwise_cuda);
   m.impl("dequantize_blockwise", &dequantize_blockwise_cuda);
   m.impl("adam8bit_step_", &adam8bit_step_cuda);
+  m.impl("adam8bit_step_list_", &adam8bit_step_list<adam8bit_step_cuda>);
 }
 
 }  // namespace pagedopt

@@ -44,6 +44,7 @@ class _Bucket(NamedTuple):
     params: list[torch.Tensor]
     states: list[dict]
     lists: tuple               # one list per key of _STATE_KEYS[eight_bit]
+    held: Any                  # 8-bit: a torch.classes.pagedopt.AdamStateList of the same lists
 
 
 class _StepPlan(NamedTuple):
@@ -252,8 +253,12 @@ class AdamBase(torch.optim.Optimizer):
         for (gi, device, _, eight_bit, _), index in members.items():
             bucket_params = [params[i] for i in index]
             states = [self.state[p] for p in bucket_params]
-            buckets.append(_Bucket(gi, device, eight_bit, index, bucket_params, states,
-                                   tuple([s[k] for s in states] for k in _STATE_KEYS[eight_bit])))
+            lists = tuple([s[k] for s in states] for k in _STATE_KEYS[eight_bit])
+            held = None
+            if eight_bit:  # the C++ side holds the lists; a step then passes only the gradients
+                held = torch.classes.pagedopt.AdamStateList(bucket_params, *lists, states[0]["qmap1"],
+                                                            states[0]["qmap2"])
+            buckets.append(_Bucket(gi, device, eight_bit, index, bucket_params, states, lists, held))
             steps_by_device[device] += [s["step"] for s in states]
         key = (id(self.state), len(self.state), self._plan_version, key[3])  # states may have been created
         self._plan = _StepPlan(key, buckets, dict(steps_by_device))
@@ -310,6 +315,11 @@ class AdamBase(torch.optim.Optimizer):
 
     def _step_8bit(self, group: dict, bucket: "_Bucket", grads, contiguous: bool, grad_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]
+        if contiguous and (self._pager is None or self._pager.all_resident()):
+            _ops.ops.adam8bit_step_list_(
+                bucket.held, grads, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                float(group["weight_decay"]), self.decoupled, grad_scale, found_inf)
+            return
         qmap1, qmap2 = bucket.states[0]["qmap1"], bucket.states[0]["qmap2"]
         for params, work_params, work_grads, (state1, state2, absmax1, absmax2, steps) in self._bucket_chunks(
                 bucket, grads, contiguous):
