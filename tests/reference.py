@@ -5,26 +5,41 @@ from pagedopt.quant import (STATE_BLOCK_SIZE, dequantize_blockwise_reference, ma
                             quantize_blockwise_reference)
 
 
+def _f32(x: float) -> float:
+    """x rounded to float32, as a Python float."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def _fma(a, b, c) -> torch.Tensor:
+    """fmaf(a, b, c) for float32 operands: the product is exact in float64, then one rounding to
+    float64 and one to float32 (differs from a single rounding only in rare double-rounding ties)."""
+    t = lambda x: x.double() if isinstance(x, torch.Tensor) else float(x)
+    return (t(a) * t(b) + t(c)).float()
+
+
 def adam8bit_step_reference(p, g, q1, q2, a1, a2, step, code1, code2, lr, beta1, beta2, eps, wd, decoupled,
                             grad_scale=None):
-    """One fused 8-bit Adam step in fp32 torch ops: dequantize, update, requantize.
-    Returns (p_new (p.dtype), q1, q2, a1, a2, m_unquantized, v_unquantized)."""
+    """One fused 8-bit Adam step in float32 torch ops, in the order of pagedopt/adam.h (fused
+    multiply-adds emulated in float64, IEEE sqrt and division as on the CPU): dequantize, update,
+    requantize. Returns (p_new (p.dtype), q1, q2, a1, a2, m_unquantized, v_unquantized)."""
     pf = p.float().reshape(-1).clone()
     gf = g.float().reshape(-1)
     if grad_scale is not None:
-        gf = gf / grad_scale
+        gf = gf * _f32(1.0 / _f32(grad_scale))
     m = dequantize_blockwise_reference(q1.reshape(-1), a1, code1)
     v = dequantize_blockwise_reference(q2.reshape(-1), a2, code2)
-    if wd != 0:
-        if decoupled:
-            pf = pf * (1 - lr * wd)
-        else:
-            gf = gf + wd * pf
-    m = beta1 * m + (1 - beta1) * gf
-    v = beta2 * v + (1 - beta2) * gf * gf
-    bc1 = 1 - beta1**step
-    bc2 = 1 - beta2**step
-    pf = pf - (lr / bc1) * m / (v.sqrt() / bc2**0.5 + eps)
+    if decoupled:
+        pf = pf * _f32(1 - lr * wd)
+    elif wd != 0:
+        gf = _fma(_f32(wd), pf, gf)
+    m = _fma(_f32(beta1), m, _f32(1 - beta1) * gf)
+    v = _fma(_f32(beta2), v, _f32(1 - beta2) * gf * gf)
+    step_size = _f32(lr / (1 - beta1**step))
+    inv_bc2 = _f32(1 / (1 - beta2**step) ** 0.5)
+    # sqrt and division through float64, then one rounding: correctly rounded, as on the CPU
+    # (torch's float32 CPU sqrt is not always; float64 leaves no double-rounding error for these)
+    denom = _fma(v.double().sqrt().float(), inv_bc2, _f32(eps))
+    pf = _fma(-step_size, (m.double() / denom.double()).float(), pf)
     nq1, na1 = quantize_blockwise_reference(m, code1, STATE_BLOCK_SIZE)
     nq2, na2 = quantize_blockwise_reference(v, code2, STATE_BLOCK_SIZE)
     return (pf.reshape(p.shape).to(p.dtype), nq1.reshape(p.shape), nq2.reshape(p.shape), na1, na2, m, v)
