@@ -233,7 +233,9 @@ class AdamBase(torch.optim.Optimizer):
 
     def _step_plan(self, params: list[torch.Tensor]) -> "_StepPlan":
         """The buckets of this set of parameters, built once and reused while the parameters with
-        gradients, the param groups and the state stay the same. Bucket by (group, device, dtype,
+        gradients, the param groups and the state stay the same (``load_state_dict`` and
+        ``add_param_group`` rebuild it; a state tensor swapped into ``self.state`` by hand is not
+        seen, one changed in place is). Bucket by (group, device, dtype,
         state width, codebooks); each bucket is one fused call. Codebooks differ only when a
         checkpoint brought its own."""
         key = (id(self.state), len(self.state), self._plan_version, tuple(map(id, params)))
