@@ -138,7 +138,6 @@ constexpr uint32_t kBadEntry = 0xffffffffu;  // the codebook does not fit the ta
 constexpr float kSmallestBucketed = 0x1p-24f;  // bits (kBucketBase << 16): bucket 0
 static_assert(23 - kSubBits == 16, "a middle bucket spans the low 16 bits of the key");
 static_assert(kHalfBuckets <= kNegOffset, "the two signs' entries do not overlap");
-static_assert(kNegOffset == 0x80000000u >> 19, "table_index moves the sign bit to kNegOffset");
 
 // Global-memory image of one codebook's table (copied to shared memory by the kernels).
 struct alignas(16) CodeTable {
@@ -214,20 +213,21 @@ PAGEDOPT_HOST_DEVICE uint32_t bucket_entry(const float* code, uint32_t e) {
   return (lo << 24) + (0x1000000u - threshold);
 }
 
+// All ones for a negative x (sign bit set), else zero.
+PAGEDOPT_HOST_DEVICE uint32_t sign_mask(float x) {
+  return static_cast<uint32_t>(static_cast<int32_t>(f32_bits(x)) >> 31);
+}
+
 // The table index of x (any float; NaN lands in bucket 0) and the low 16 bits of its key.
 PAGEDOPT_HOST_DEVICE uint32_t table_index(float x) {
-  const uint32_t u = f32_bits(x);
   const float a = fabsf(x);
   const float at_least = a > kSmallestBucketed ? a : kSmallestBucketed;  // NaN -> kSmallestBucketed
   const float clamped = at_least < 1.0f ? at_least : 1.0f;
   const uint32_t local = (f32_bits(clamped) >> (23 - kSubBits)) - kBucketBase;
-  return local | ((u >> 19) & kNegOffset);  // the sign bit, moved to kNegOffset
+  return local | (sign_mask(x) & kNegOffset);
 }
 
-PAGEDOPT_HOST_DEVICE uint32_t key_low16(float x) {
-  const uint32_t u = f32_bits(x);
-  return (u ^ static_cast<uint32_t>(static_cast<int32_t>(u) >> 31)) & 0xffffu;
-}
+PAGEDOPT_HOST_DEVICE uint32_t key_low16(float x) { return (f32_bits(x) ^ sign_mask(x)) & 0xffffu; }
 
 // The code from x's entry: its top byte after adding x's low key bits.
 PAGEDOPT_HOST_DEVICE uint32_t entry_sum(uint32_t entry, float x) { return entry + key_low16(x); }
