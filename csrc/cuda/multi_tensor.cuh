@@ -3,18 +3,18 @@
 //
 // The first half (up to the `__CUDACC__` section) is plain host/device C++ so that a host test
 // can compile it with g++ and check it against the reference functions of pagedopt/codebook.h
-// (tests/test_cuda_kernels.py::test_host_build_of_search_tables_and_pow_step; with
-// PAGEDOPT_BIG_TESTS=1 it tries all 2^32 float bit patterns for both dynamic codebooks):
+// (tests/test_code_table_host.py, which CI runs; with PAGEDOPT_BIG_TESTS=1 it tries all 2^32
+// float bit patterns for both dynamic codebooks):
 //
-//  * A fast, exact replacement for `nearest_code`: a per-codebook table maps every float to the
-//    small range of codes it can round to, and "threshold keys" settle the rest. It returns the
-//    same code as nearest_code(code, x) for every float x (NaN, infinities, subnormals, -0
-//    included) whenever the codebook is finite and sorted ascending (ties allowed); for any
-//    other codebook the kernels fall back to nearest_code itself.
+//  * A fast, exact replacement for `nearest_code`: one 32-bit table entry per bucket of floats
+//    gives the code with an add and a byte select (see "Fast exact nearest-code search" below).
+//    It returns the same code as nearest_code(code, x) for every float x (NaN, infinities,
+//    subnormals, -0 included) whenever the codebook fits the table (the dynamic codebooks do);
+//    for any other codebook the kernels fall back to nearest_code itself.
 //  * `pow_step`: beta^t for the bias corrections, correctly rounded for integer t.
 //
-// The second half holds the CUDA-only pieces: vector loads/stores, exact division by a shared
-// divisor, the shared-memory codebook view and the table-building kernel body.
+// The second half holds the CUDA-only pieces: vector loads/stores, the warp absmax, L2 prefetch,
+// the shared-memory codebook view and the table-building kernel body.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
