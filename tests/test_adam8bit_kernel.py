@@ -159,3 +159,17 @@ def test_state_list_op_equals_list_op(dtype):
     for x, b in zip(held_case, before):
         for k in x:
             assert torch.equal(x[k], b[k]), k
+
+
+def test_check_grads_verdicts():
+    """check_grads: the index of the first mismatching gradient, else whether all are contiguous."""
+    ps = [torch.zeros(3, 4), torch.zeros(5, dtype=torch.bfloat16), torch.zeros(2, 2)]
+    gs = [torch.ones(3, 4), torch.ones(5, dtype=torch.bfloat16), torch.ones(2, 2)]
+    assert _ops.check_grads(ps, gs) == _ops.GRADS_CONTIGUOUS
+    assert _ops.check_grads(ps, [gs[0].t().contiguous().t(), *gs[1:]]) == _ops.GRADS_NOT_CONTIGUOUS
+    assert _ops.check_grads(ps, [gs[0], gs[1].float(), gs[2]]) == 1          # dtype
+    assert _ops.check_grads(ps, [gs[0], gs[1], torch.ones(4)]) == 2          # shape
+    assert _ops.check_grads(ps, [gs[0].to_sparse(), gs[1], gs[2]]) == 0      # layout
+    assert _ops.check_grads([p.double() for p in ps], [g.double() for g in gs]) == 0  # param dtype
+    with pytest.raises(RuntimeError, match="2 params but 3 grads"):
+        _ops.check_grads(ps[:2], gs)
