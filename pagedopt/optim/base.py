@@ -34,7 +34,6 @@ _PAGED_SLAB_BYTES = 64 << 20
 
 
 _STATE_KEYS = {True: ("state1", "state2", "absmax1", "absmax2", "step"), False: ("state1", "state2", "step")}
-_PAGED_KEYS = ("state1", "state2", "absmax1", "absmax2")  # the state tensors a PageManager holds
 
 
 class _Bucket(NamedTuple):
@@ -288,14 +287,15 @@ class AdamBase(torch.optim.Optimizer):
             return everything
         from ..paging import split_by_bytes
 
+        keys = ("state1", "state2", "absmax1", "absmax2")
         return split_by_bytes(everything[0], lambda j: sum(bucket.states[j][k].numel() * bucket.states[j][k].element_size()
-                                                           for k in _PAGED_KEYS if k in bucket.states[j]),
-                              _PAGED_CHUNK_BYTES)
+                                                           for k in keys if k in bucket.states[j]), _PAGED_CHUNK_BYTES)
 
     def _paged_stages(self, bucket: "_Bucket", chunks: list[list[int]]):
         if self._pager is None or self._pager.all_resident():
             return range(len(chunks))
-        return self._pager.stage([[bucket.states[j][k] for j in chunk for k in _PAGED_KEYS if k in bucket.states[j]]
+        keys = ("state1", "state2", "absmax1", "absmax2")
+        return self._pager.stage([[bucket.states[j][k] for j in chunk for k in keys if k in bucket.states[j]]
                                   for chunk in chunks])
 
     def _bucket_chunks(self, bucket: "_Bucket", grads: list[torch.Tensor], contiguous: bool):
