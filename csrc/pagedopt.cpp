@@ -29,11 +29,12 @@ TORCH_LIBRARY(pagedopt, m) {
       "Tensor code1, Tensor code2, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, bool decoupled, Tensor? grad_scale, Tensor? found_inf) -> ()");
 
-  // The same step with the params, states, steps and codebooks held by an AdamStateList
+  // The same step with the states, steps and codebooks held by an AdamStateList
   // (pagedopt/adam_state_list.h, built once per bucket of parameters), so that a step passes only
-  // its gradients.
+  // its parameters and gradients.
   m.def(
-      "adam8bit_step_list_(__torch__.torch.classes.pagedopt.AdamStateList states, Tensor[] grads, float lr, "
+      "adam8bit_step_list_(__torch__.torch.classes.pagedopt.AdamStateList states, Tensor(a!)[] params, "
+      "Tensor[] grads, float lr, "
       "float beta1, float beta2, float eps, float weight_decay, bool decoupled, Tensor? grad_scale, "
       "Tensor? found_inf) -> ()");
 

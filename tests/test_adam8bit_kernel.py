@@ -139,7 +139,7 @@ def test_state_list_op_equals_list_op(dtype):
     steps = [torch.tensor(4.0) for _ in tensors]
     held_steps = [s.clone() for s in steps]
     held = torch.classes.pagedopt.AdamStateList(
-        [x["p"] for x in held_case], [x["q1"] for x in held_case], [x["q2"] for x in held_case],
+        [x["q1"] for x in held_case], [x["q2"] for x in held_case],
         [x["a1"] for x in held_case], [x["a2"] for x in held_case], held_steps, code1, code2)
     assert held.size() == 3
     hyper = (1e-2, 0.9, 0.99, 1e-8, 0.1, False)
@@ -147,7 +147,8 @@ def test_state_list_op_equals_list_op(dtype):
                         [x["q2"] for x in tensors], [x["a1"] for x in tensors], [x["a2"] for x in tensors], steps,
                         code1, code2, lr=hyper[0], beta1=hyper[1], beta2=hyper[2], eps=hyper[3],
                         weight_decay=hyper[4], decoupled=hyper[5])
-    torch.ops.pagedopt.adam8bit_step_list_(held, [x["g"] for x in held_case], *hyper, None, None)
+    held_params = [x["p"] for x in held_case]
+    torch.ops.pagedopt.adam8bit_step_list_(held, held_params, [x["g"] for x in held_case], *hyper, None, None)
     for x, y in zip(tensors, held_case):
         for k in ("p", "q1", "q2", "a1", "a2"):
             assert torch.equal(x[k], y[k]), k
@@ -155,7 +156,9 @@ def test_state_list_op_equals_list_op(dtype):
     bad_grads = [x["g"] for x in held_case]
     bad_grads[2] = bad_grads[2][:-1]
     with pytest.raises(RuntimeError, match=r"grads\[2\]"):
-        torch.ops.pagedopt.adam8bit_step_list_(held, bad_grads, *hyper, None, None)
+        torch.ops.pagedopt.adam8bit_step_list_(held, held_params, bad_grads, *hyper, None, None)
+    with pytest.raises(RuntimeError, match=r"2 params but 3 grads|same length|\[2\]"):
+        torch.ops.pagedopt.adam8bit_step_list_(held, held_params[:2], [x["g"] for x in held_case], *hyper, None, None)
     for x, b in zip(held_case, before):
         for k in x:
             assert torch.equal(x[k], b[k]), k

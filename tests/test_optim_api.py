@@ -51,7 +51,7 @@ def test_unsupported_arguments_raise(kwargs, match):
 def test_bad_param_group_is_named():
     params = make_params()
     opt = pagedopt.AdamW8bit(params[:2])
-    with pytest.raises(ValueError, match="param group lr"):
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['lr'\]"):
         opt.add_param_group({"params": params[2:], "lr": -1})
 
 

@@ -20,8 +20,10 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional
 import torch
 
 from .. import _ops
-
-from ..quant import STATE_BLOCK_SIZE, check_codebook, dynamic_codebook
+from ..quant import STATE_BLOCK_SIZE, dynamic_codebook
+from . import checkpoint
+from .global_manager import GlobalOptimManager
+from .state_table import StateTable
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Paged steps are split into chunks of about this many state bytes, so that paging in the
@@ -45,6 +47,7 @@ class _Bucket(NamedTuple):
     states: list[dict]
     lists: tuple               # one list per key of _STATE_KEYS[eight_bit]
     held: Any                  # 8-bit: a torch.classes.pagedopt.AdamStateList of the same lists
+    override: dict             # GlobalOptimManager settings over the group's (lr, betas, eps, weight_decay)
 
 
 class _StepPlan(NamedTuple):
@@ -84,6 +87,13 @@ class AdamBase(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, optim_bits=optim_bits,
                         min_8bit_size=min_8bit_size)
         self._check_hyperparameters(defaults, "argument")
+        self._start_runtime(is_paged)
+        super().__init__(params, defaults)
+        self.state = StateTable(self.state)
+
+    def _start_runtime(self, is_paged: bool) -> None:
+        """What an optimizer holds besides its groups and state: the pager, the codebooks and the
+        cached step plan (rebuilt after a copy or unpickling)."""
         self.is_paged = bool(is_paged)
         self._pager = None
         if self.is_paged:
@@ -91,40 +101,54 @@ class AdamBase(torch.optim.Optimizer):
 
             self._pager = PageManager(arena_bytes=_PAGED_SLAB_BYTES)
         self._codebooks: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._plan_version = 0  # bumped whenever param groups or states are replaced
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            self._check_hyperparameters(group, "param group")
+        self._plan_version = 0  # bumped whenever param groups are replaced or added
+        self._plan = None
 
     # ------------------------------------------------------------------ validation
     @staticmethod
     def _check_hyperparameters(h: dict, where: str) -> None:
+        """Raise a ValueError naming ``where`` (``argument`` or ``param_groups[i]``) and the key."""
+        def name(key):
+            return f"{where}[{key!r}]" if where.startswith("param_groups") else f"{where} {key!r}"
+
+        def number(key):
+            v = h.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"Invalid {name(key)}: {v!r} (must be a float)")
+            return float(v)
+
+        for key in ("lr", "betas", "eps", "weight_decay", "optim_bits", "min_8bit_size"):
+            if key not in h:
+                raise ValueError(f"Invalid {name(key)}: missing")
         lr = h["lr"]
         if isinstance(lr, torch.Tensor):
             if lr.numel() != 1:
-                raise ValueError(f"{where} lr must be a float, got a tensor of shape {tuple(lr.shape)}")
-        elif not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-            raise ValueError(f"Invalid {where} lr: {lr!r} (must be a finite float >= 0)")
+                raise ValueError(f"Invalid {name('lr')}: a tensor of shape {tuple(lr.shape)} (must be a float)")
+        elif not math.isfinite(number("lr")) or lr < 0:
+            raise ValueError(f"Invalid {name('lr')}: {lr!r} (must be a finite float >= 0)")
         betas = h["betas"]
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"Invalid {where} betas: {betas!r} (must be a pair of floats)")
+            raise ValueError(f"Invalid {name('betas')}: {betas!r} (must be a pair of floats)")
         for i, b in enumerate(betas):
-            if isinstance(b, torch.Tensor) or not 0.0 <= float(b) < 1.0:
-                raise ValueError(f"Invalid {where} betas[{i}]: {b!r} (must be a float in [0, 1))")
-        if not 0.0 <= h["eps"] or not math.isfinite(h["eps"]):
-            raise ValueError(f"Invalid {where} eps: {h['eps']!r} (must be a finite float >= 0)")
-        if not 0.0 <= h["weight_decay"] or not math.isfinite(h["weight_decay"]):
-            raise ValueError(f"Invalid {where} weight_decay: {h['weight_decay']!r} (must be >= 0)")
-        if h["optim_bits"] not in (8, 32):
-            raise ValueError(f"Invalid {where} optim_bits: {h['optim_bits']!r} (must be 8 or 32)")
+            if isinstance(b, (bool, torch.Tensor)) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+                raise ValueError(f"Invalid {name('betas')}: betas[{i}] = {b!r} (must be a float in [0, 1))")
+        for key in ("eps", "weight_decay"):
+            v = number(key)
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"Invalid {name(key)}: {v!r} (must be a finite float >= 0)")
+        if isinstance(h["optim_bits"], bool) or h["optim_bits"] not in (8, 32):
+            raise ValueError(f"Invalid {name('optim_bits')}: {h['optim_bits']!r} (must be 8 or 32)")
         m = h["min_8bit_size"]
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
-            raise ValueError(f"Invalid {where} min_8bit_size: {m!r} (must be an int >= 0)")
+            raise ValueError(f"Invalid {name('min_8bit_size')}: {m!r} (must be an int >= 0)")
 
     def add_param_group(self, param_group: dict) -> None:
-        self._plan_version = getattr(self, "_plan_version", 0) + 1
+        """torch's add_param_group, with the group's settings checked before it is added."""
+        if isinstance(param_group, dict):
+            settings = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+            self._check_hyperparameters(settings, f"param_groups[{len(self.param_groups)}]")
         super().add_param_group(param_group)
-        self._check_hyperparameters(self.param_groups[-1], "param group")
+        self._plan_version += 1
 
     @staticmethod
     def _check_param(gi: int, pi: int, p: torch.Tensor) -> None:
@@ -156,15 +180,25 @@ class AdamBase(torch.optim.Optimizer):
             return self._pager.zeros(shape, dtype, device)
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    def _uses_8bit(self, group: dict, p: torch.Tensor) -> bool:
-        return group["optim_bits"] == 8 and p.numel() >= group["min_8bit_size"]
+    def _uses_8bit(self, config: dict, p: torch.Tensor) -> bool:
+        """Whether a new state for ``p`` is 8-bit under ``config`` (its group and overrides)."""
+        return config["optim_bits"] == 8 and p.numel() >= config["min_8bit_size"]
 
-    def _init_state(self, group: dict, p: torch.Tensor) -> dict:
+    @staticmethod
+    def _overrides(param_groups: list[dict]) -> dict[tuple[int, int], dict]:
+        """GlobalOptimManager's per-parameter settings for ``param_groups``, checked."""
+        found = GlobalOptimManager.get_instance().overrides_for(param_groups)
+        for (gi, pi), config in found.items():
+            AdamBase._check_hyperparameters({**param_groups[gi], **config},
+                                            f"param_groups[{gi}] (GlobalOptimManager override of params[{pi}])")
+        return found
+
+    def _init_state(self, config: dict, p: torch.Tensor) -> dict:
         state = self.state[p]
         if len(state) != 0:
             return state
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        if self._uses_8bit(group, p):
+        if self._uses_8bit(config, p):
             blocks = (p.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
             state["state1"] = self._state_zeros(p.shape, torch.uint8, p.device)
             state["state2"] = self._state_zeros(p.shape, torch.uint8, p.device)
@@ -210,6 +244,8 @@ class AdamBase(torch.optim.Optimizer):
             self._pager.begin_step()
         for bucket in plan.buckets:
             group = self.param_groups[bucket.gi]
+            if bucket.override:
+                group = {**group, **bucket.override}
             device = bucket.device
             scale = None if grad_scale is None else grad_scale.to(device, non_blocking=True)
             inf = None if found_inf is None else found_inf.to(device, non_blocking=True)
@@ -233,36 +269,42 @@ class AdamBase(torch.optim.Optimizer):
 
     def _step_plan(self, params: list[torch.Tensor]) -> "_StepPlan":
         """The buckets of this set of parameters, built once and reused while the parameters with
-        gradients, the param groups and the state stay the same (``load_state_dict`` and
-        ``add_param_group`` rebuild it; a state tensor swapped into ``self.state`` by hand is not
-        seen, one changed in place is). Bucket by (group, device, dtype,
-        state width, codebooks); each bucket is one fused call. Codebooks differ only when a
-        checkpoint brought its own."""
-        key = (id(self.state), len(self.state), self._plan_version, tuple(map(id, params)))
-        plan = getattr(self, "_plan", None)
+        gradients, the param groups and the state stay the same (any change to ``self.state`` or a
+        parameter's state dict, ``load_state_dict`` and ``add_param_group`` rebuild it; a state
+        tensor changed in place is used as it is). Bucket by (group, device, dtype, state width,
+        codebooks, per-parameter overrides); each bucket is one fused call. Codebooks differ only
+        when a checkpoint brought its own."""
+        state = self.state
+        if not isinstance(state, StateTable):  # replaced by hand
+            state = self.state = StateTable(state)
+        key = (id(state), state.version, self._plan_version, tuple(map(id, params)))
+        plan = self._plan
         if plan is not None and plan.key == key:
             return plan
-        group_of = {id(p): gi for gi, group in enumerate(self.param_groups) for p in group["params"]}
+        index_of = {id(p): (gi, pi) for gi, group in enumerate(self.param_groups)
+                    for pi, p in enumerate(group["params"])}
+        overrides = self._overrides(self.param_groups)
         members: dict[tuple, list[int]] = defaultdict(list)
         for i, p in enumerate(params):
-            gi = group_of[id(p)]
-            state = self._init_state(self.param_groups[gi], p)
-            eight_bit = state["state1"].dtype == torch.uint8
-            codebooks = (id(state["qmap1"]), id(state["qmap2"])) if eight_bit else None
-            members[(gi, p.device, p.dtype, eight_bit, codebooks)].append(i)
+            gi, pi = index_of[id(p)]
+            override = overrides.get((gi, pi), {})
+            st = self._init_state({**self.param_groups[gi], **override}, p)
+            eight_bit = st["state1"].dtype == torch.uint8
+            codebooks = (id(st["qmap1"]), id(st["qmap2"])) if eight_bit else None
+            setting = tuple(sorted((k, v) for k, v in override.items() if k not in ("optim_bits", "min_8bit_size")))
+            members[(gi, p.device, p.dtype, eight_bit, codebooks, setting)].append(i)
         buckets = []
         steps_by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        for (gi, device, _, eight_bit, _), index in members.items():
+        for (gi, device, _, eight_bit, _, setting), index in members.items():
             bucket_params = [params[i] for i in index]
-            states = [self.state[p] for p in bucket_params]
+            states = [state[p] for p in bucket_params]
             lists = tuple([s[k] for s in states] for k in _STATE_KEYS[eight_bit])
             held = None
-            if eight_bit:  # the C++ side holds the lists; a step then passes only the gradients
-                held = torch.classes.pagedopt.AdamStateList(bucket_params, *lists, states[0]["qmap1"],
-                                                            states[0]["qmap2"])
-            buckets.append(_Bucket(gi, device, eight_bit, index, bucket_params, states, lists, held))
+            if eight_bit:  # the C++ side holds the state lists; a step then passes params and gradients
+                held = torch.classes.pagedopt.AdamStateList(*lists, states[0]["qmap1"], states[0]["qmap2"])
+            buckets.append(_Bucket(gi, device, eight_bit, index, bucket_params, states, lists, held, dict(setting)))
             steps_by_device[device] += [s["step"] for s in states]
-        key = (id(self.state), len(self.state), self._plan_version, key[3])  # states may have been created
+        key = (id(state), state.version, self._plan_version, key[3])  # states may have been created
         self._plan = _StepPlan(key, buckets, dict(steps_by_device))
         return self._plan
 
@@ -319,7 +361,7 @@ class AdamBase(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         if contiguous and (self._pager is None or self._pager.all_resident()):
             _ops.ops.adam8bit_step_list_(
-                bucket.held, grads, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                bucket.held, bucket.params, grads, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
                 float(group["weight_decay"]), self.decoupled, grad_scale, found_inf)
             return
         qmap1, qmap2 = bucket.states[0]["qmap1"], bucket.states[0]["qmap2"]
@@ -349,38 +391,60 @@ class AdamBase(torch.optim.Optimizer):
                 self._write_back(params, work_params)
 
     # ------------------------------------------------------------------ checkpoints
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Like torch's, but state keeps its own dtypes (torch would cast float32 absmax and
-        codebooks to a bf16 parameter's dtype), and paged states stay paged."""
-        saved_groups = state_dict["param_groups"]
-        id_to_param = {}
-        for saved, group in zip(saved_groups, self.param_groups):
-            id_to_param.update(zip(saved["params"], group["params"]))
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            self._check_hyperparameters(group, "loaded param group")
-        for key, saved_state in state_dict["state"].items():
-            p = id_to_param.get(key)
-            if p is not None:
-                self.state[p] = self._restore_state(p, saved_state)
-        self._plan_version += 1
+    def state_dict(self) -> dict:
+        """torch's state_dict, with every state tensor owning its storage (paged states are
+        copied out of their shared slabs), so that ``torch.save`` writes it and
+        ``torch.load(weights_only=True)`` reads it back."""
+        sd = super().state_dict()
+        sd["state"] = {k: checkpoint.portable_param_state(v) for k, v in sd["state"].items()}
+        return sd
 
-    def _restore_state(self, p: torch.Tensor, saved: dict) -> dict:
-        state = {}
-        for k, v in saved.items():
-            if k == "step":
-                state[k] = torch.as_tensor(v, dtype=torch.float32).reshape(()).to(p.device).clone()
-            elif k in ("qmap1", "qmap2"):
-                check_codebook(v.float(), f"saved {k}")
-                default = self._codebooks_on(p.device)[0 if k == "qmap1" else 1]
-                state[k] = default if torch.equal(v.float().cpu(), default.cpu()) else v.float().to(p.device)
-            elif isinstance(v, torch.Tensor) and k in ("state1", "state2", "absmax1", "absmax2"):
-                t = self._state_zeros(v.shape, v.dtype, p.device)
-                t.copy_(v)
-                state[k] = t
-            else:
-                state[k] = v
-        return state
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a pagedopt, bitsandbytes or torch.optim.Adam/AdamW checkpoint (see
+        pagedopt/optim/checkpoint.py). Everything is checked, and every new state tensor built,
+        before anything is replaced: a refused checkpoint raises a ValueError naming the group,
+        parameter and key, and leaves the optimizer unchanged. State keeps its own dtypes
+        (torch would cast float32 absmax and codebooks to a bf16 parameter's dtype), and paged
+        states stay paged. Pre-hooks may return a new dict; post-hooks see the loaded state."""
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        new_groups, new_state = checkpoint.plan_load(self, state_dict)
+        for group, new in zip(self.param_groups, new_groups):
+            group.clear()
+            group.update(new)
+        self.state = StateTable(new_state)
+        self._plan_version += 1
+        self._plan = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def __getstate__(self) -> dict:
+        """What a copy or a pickle holds: groups, defaults and state (each tensor owning its
+        storage); the pager and the step plan are rebuilt by __setstate__."""
+        return {"defaults": self.defaults, "param_groups": self.param_groups, "is_paged": self.is_paged,
+                "state": {p: checkpoint.portable_param_state(s) for p, s in self.state.items()}}
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        is_paged = state.pop("is_paged", False)
+        saved_state = state.pop("state", {})
+        super().__setstate__(state)
+        self._start_runtime(is_paged)
+        table = StateTable()
+        for p, s in saved_state.items():
+            s = dict(s)
+            if self._pager is not None:  # a paged optimizer's copy pages its states too
+                for k in ("state1", "state2", "absmax1", "absmax2"):
+                    if isinstance(s.get(k), torch.Tensor):
+                        t = self._state_zeros(s[k].shape, s[k].dtype, s[k].device)
+                        t.copy_(s[k])
+                        s[k] = t
+            table[p] = s
+        self.state = table
 
     # ------------------------------------------------------------------ paging
     def page_out(self) -> None:

@@ -1,8 +1,10 @@
 #pragma once
-// The per-parameter tensors of one fused 8-bit Adam call, held on the C++ side: an optimizer builds
-// one per bucket of parameters and then passes only the gradients at each step (Python hands a
-// tensor list to an op at about 0.15 us a tensor, so the five state lists would cost ~0.75 us per
-// parameter and step).
+// The per-parameter states of one fused 8-bit Adam call, held on the C++ side: an optimizer builds
+// one per bucket of parameters and then passes only the parameters and gradients at each step
+// (Python hands a tensor list to an op at about 0.15 us a tensor, so the five state lists would
+// cost ~0.75 us per parameter and step). The parameters are not held: a held reference would
+// keep torch.utils.swap_tensors (module.to(), load_state_dict(assign=...) with swapping on) from
+// swapping them, and would go on updating the old tensor after a swap.
 #include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>
 
@@ -12,7 +14,6 @@
 namespace pagedopt {
 
 struct AdamStateList : torch::CustomClassHolder {
-  std::vector<at::Tensor> params;
   std::vector<at::Tensor> state1;
   std::vector<at::Tensor> state2;
   std::vector<at::Tensor> absmax1;
@@ -21,11 +22,10 @@ struct AdamStateList : torch::CustomClassHolder {
   at::Tensor code1;
   at::Tensor code2;
 
-  AdamStateList(std::vector<at::Tensor> params_, std::vector<at::Tensor> state1_, std::vector<at::Tensor> state2_,
+  AdamStateList(std::vector<at::Tensor> state1_, std::vector<at::Tensor> state2_,
                 std::vector<at::Tensor> absmax1_, std::vector<at::Tensor> absmax2_, std::vector<at::Tensor> steps_,
                 at::Tensor code1_, at::Tensor code2_)
-      : params(std::move(params_)),
-        state1(std::move(state1_)),
+      : state1(std::move(state1_)),
         state2(std::move(state2_)),
         absmax1(std::move(absmax1_)),
         absmax2(std::move(absmax2_)),
@@ -33,7 +33,7 @@ struct AdamStateList : torch::CustomClassHolder {
         code1(std::move(code1_)),
         code2(std::move(code2_)) {}
 
-  int64_t size() const { return static_cast<int64_t>(params.size()); }
+  int64_t size() const { return static_cast<int64_t>(state1.size()); }
 };
 
 // Registers the class as torch.classes.pagedopt.AdamStateList. An inline variable: every file that
@@ -42,16 +42,15 @@ struct AdamStateList : torch::CustomClassHolder {
 inline const auto kAdamStateListClass =
     torch::class_<AdamStateList>("pagedopt", "AdamStateList")
         .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                         std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
-                         at::Tensor>())
+                         std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, at::Tensor>())
         .def("size", &AdamStateList::size);
 
 // The kernel signature of adam8bit_step_list_ for a backend whose adam8bit_step_ is `step`.
 template <auto step>
-void adam8bit_step_list(const c10::intrusive_ptr<AdamStateList>& s, at::TensorList grads, double lr, double beta1,
-                        double beta2, double eps, double weight_decay, bool decoupled,
+void adam8bit_step_list(const c10::intrusive_ptr<AdamStateList>& s, at::TensorList params, at::TensorList grads,
+                        double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
                         const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  step(s->params, grads, s->state1, s->state2, s->absmax1, s->absmax2, s->steps, s->code1, s->code2, lr, beta1,
+  step(params, grads, s->state1, s->state2, s->absmax1, s->absmax2, s->steps, s->code1, s->code2, lr, beta1,
        beta2, eps, weight_decay, decoupled, grad_scale, found_inf);
 }
 

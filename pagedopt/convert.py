@@ -1,0 +1,46 @@
+"""Export a pagedopt checkpoint in torch.optim.Adam/AdamW's format.
+
+Loading the other way needs nothing from here: ``pagedopt.AdamW8bit(...).load_state_dict``
+takes a torch.optim.Adam/AdamW state dict directly.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._ops import dequantize_blockwise
+from .quant import STATE_BLOCK_SIZE
+
+_PAGEDOPT_GROUP_KEYS = ("optim_bits", "min_8bit_size")
+
+
+def _moment(state: dict, i: int) -> torch.Tensor:
+    codes = state[f"state{i}"]
+    if codes.dtype != torch.uint8:
+        return codes.detach().float().clone()
+    absmax, qmap = state[f"absmax{i}"], state[f"qmap{i}"]
+    return dequantize_blockwise(codes.contiguous(), absmax.float().to(codes.device),
+                                qmap.float().to(codes.device), STATE_BLOCK_SIZE, torch.float32)
+
+
+def to_torch_state_dict(state_dict) -> dict:
+    """A state dict that ``torch.optim.AdamW`` / ``torch.optim.Adam`` ``.load_state_dict`` accepts.
+
+    ``state_dict`` is a pagedopt optimizer's ``state_dict()`` (or the optimizer itself). Per
+    parameter it returns ``{'step': float32 scalar tensor, 'exp_avg', 'exp_avg_sq'}``, both
+    float32 and shaped like the parameter: 32-bit states are copied; 8-bit states are
+    dequantized, element ``j`` being ``qmap[code[j]] * absmax[j // 256]``. Param groups keep
+    every key but pagedopt's own (``optim_bits``, ``min_8bit_size``); torch fills in its
+    defaults for the keys it misses (``amsgrad=False`` ...; ``AdamW`` always sets its
+    ``decoupled_weight_decay``). The input is not modified and shares no tensor with the output.
+    """
+    if isinstance(state_dict, torch.optim.Optimizer):
+        state_dict = state_dict.state_dict()
+    state = {}
+    for key, s in state_dict["state"].items():
+        step = s["step"]
+        step = step.detach().reshape(()).float().cpu().clone() if isinstance(step, torch.Tensor) else \
+            torch.tensor(float(step), dtype=torch.float32)
+        state[key] = {"step": step, "exp_avg": _moment(s, 1), "exp_avg_sq": _moment(s, 2)}
+    groups = [{k: (list(v) if k == "params" else v) for k, v in g.items() if k not in _PAGEDOPT_GROUP_KEYS}
+              for g in state_dict["param_groups"]]
+    return {"state": state, "param_groups": groups}
