@@ -43,8 +43,8 @@ void adam8bit_tensor_cpu(const at::Tensor& param, const at::Tensor& grad, const 
         m[j] = dequantize_value(code1, q1[i], a1[b]);
         v[j] = dequantize_value(code2, q2[i], a2[b]);
         p[i] = static_cast<scalar_t>(adam_update(static_cast<float>(p[i]), gf, m[j], v[j], c));
-        new_absmax1 = std::max(new_absmax1, std::fabs(m[j]));
-        new_absmax2 = std::max(new_absmax2, std::fabs(v[j]));
+        new_absmax1 = std::max(new_absmax1, finite_abs(m[j]));  // NaN and +-inf do not count
+        new_absmax2 = std::max(new_absmax2, finite_abs(v[j]));
       }
       const float inv1 = absmax_reciprocal(new_absmax1);
       const float inv2 = absmax_reciprocal(new_absmax2);

@@ -216,8 +216,8 @@ __device__ __forceinline__ void adam_block_full(const TensorView& tv, int64_t lb
   for (int k = 0; k < 8; ++k) {
     pv[k] = adam_element<kHasScale>(pv[k], gv[k], m[k], v[k], byte_of(w1, k), byte_of(w2, k), a1, a2, sm, c,
                                     inv_scale);
-    mx1 = fmaxf(mx1, fabsf(m[k]));  // fmaxf skips NaN, as the CPU's std::max(acc, x) does
-    mx2 = fmaxf(mx2, fabsf(v[k]));
+    mx1 = fmaxf(mx1, finite_abs(m[k]));  // NaN and +-inf do not count, as on the CPU
+    mx2 = fmaxf(mx2, finite_abs(v[k]));
   }
   Elem<T>::store8(p, pv);
   mx1 = warp_max_nonneg(mx1);
@@ -252,8 +252,8 @@ __device__ __forceinline__ void adam_block_partial(const TensorView& tv, int64_t
       float v;
       adam_element<kHasScale>(Elem<T>::load(p + i), Elem<T>::load(g + i), m, v, tv.q1[i], tv.q2[i], a1, a2, sm, c,
                               inv_scale);
-      mx1 = fmaxf(mx1, fabsf(m));
-      mx2 = fmaxf(mx2, fabsf(v));
+      mx1 = fmaxf(mx1, finite_abs(m));
+      mx2 = fmaxf(mx2, finite_abs(v));
     }
   }
   mx1 = warp_max_nonneg(mx1);
