@@ -95,6 +95,9 @@ static long check_special(const float* code) {
       bad += fast_nearest_code(t.entry, x) != zero_code || nearest_code(code, x) != zero_code;
     }
   }
+  // finite values beyond the codebook (an element left out of its block's absmax) saturate too
+  bad += fast_nearest_code(t.entry, 3e29f) != 255u || nearest_code(code, 3e29f) != 255u;
+  bad += fast_nearest_code(t.entry, -3e29f) != 0u || nearest_code(code, -3e29f) != 0u;
   // a block without a finite nonzero value: absmax 0, reciprocal 0, everything to the code of 0.0
   bad += absmax_reciprocal(0.0f) != 0.0f;
   bad += fast_nearest_code(t.entry, inf * absmax_reciprocal(0.0f)) != zero_code;

@@ -10,7 +10,7 @@ namespace pagedopt {
 // Index of the codebook entry nearest to `x` in value, ties going to the lower index
 // (the same answer as argmin(|code - x|)); NaN is quantized as 0.0. `code` must be sorted
 // ascending. Infinities saturate: +inf gets the last (largest) code, -inf the first (smallest):
-// -1.0 for the signed dynamic map, 0.0 for the unsigned one.
+// -0.993 (the code nearest -1.0) for the signed dynamic map, 0.0 for the unsigned one.
 PAGEDOPT_HOST_DEVICE uint8_t nearest_code(const float* code, float x) {
   if (x != x) x = 0.0f;
   int idx = 0;
