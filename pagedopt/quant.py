@@ -66,10 +66,14 @@ def _blocks(x: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, int]:
 
 
 def nearest_code_reference(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    """argmin_j |x - code[j]|, ties to the lower index, in fp32; NaN counts as 0.0. Returns uint8 codes."""
+    """argmin_j |x - code[j]|, ties to the lower index, in fp32; NaN counts as 0.0, and values
+    beyond the codebook (+-inf included) take its largest or smallest code (saturated; the clamp
+    keeps fp32 rounding of huge distances from making ties). Returns uint8 codes."""
     x = x.float()
+    code = code.to(x.device).float()
     x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
-    dist = (x.reshape(-1, 1) - code.to(x.device).reshape(1, -1)).abs()
+    x = torch.minimum(torch.maximum(x, code.min()), code.max())
+    dist = (x.reshape(-1, 1) - code.reshape(1, -1)).abs()
     return dist.argmin(dim=1).to(torch.uint8).reshape(x.shape)
 
 
@@ -82,10 +86,19 @@ def absmax_reciprocal(absmax: torch.Tensor) -> torch.Tensor:
     return torch.where(absmax >= tiny, 1.0 / safe, torch.zeros_like(absmax))
 
 
-def quantize_blockwise_reference(x: torch.Tensor, code: torch.Tensor, blocksize: int = STATE_BLOCK_SIZE):
-    """Pure-torch blockwise quantization: (uint8 codes shaped like x, float32 absmax per block)."""
+def quantize_blockwise_reference(x: torch.Tensor, code: torch.Tensor, blocksize: int = STATE_BLOCK_SIZE,
+                                 absmax: torch.Tensor | None = None):
+    """Pure-torch blockwise quantization: (uint8 codes shaped like x, float32 absmax per block).
+
+    A block's absmax is the max |x| over its finite values: NaN and +-inf are left out, and are
+    stored saturated (NaN as the code of 0.0, +inf as the largest code, -inf as the smallest), so
+    they do not change the other values' codes. A block without a finite value of at least the
+    smallest normal float quantizes entirely to the code of 0.0. A given `absmax` (one per block)
+    is used instead of the computed one; values beyond it saturate to the end codes."""
     blocks, n = _blocks(x, blocksize)
-    absmax = blocks.abs().amax(dim=1)
+    if absmax is None:
+        absmax = torch.where(torch.isfinite(blocks), blocks.abs(), torch.zeros_like(blocks)).amax(dim=1)
+    absmax = absmax.float().to(blocks.device)
     normalized = blocks * absmax_reciprocal(absmax)[:, None]
     codes = nearest_code_reference(normalized, code).reshape(-1)[:n]
     return codes.reshape(x.shape), absmax

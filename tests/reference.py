@@ -40,8 +40,14 @@ def adam8bit_step_reference(p, g, q1, q2, a1, a2, step, code1, code2, lr, beta1,
     # (torch's float32 CPU sqrt is not always; float64 leaves no double-rounding error for these)
     denom = _fma(v.double().sqrt().float(), inv_bc2, _f32(eps))
     pf = _fma(-step_size, (m.double() / denom.double()).float(), pf)
-    nq1, na1 = quantize_blockwise_reference(m, code1, STATE_BLOCK_SIZE)
-    nq2, na2 = quantize_blockwise_reference(v, code2, STATE_BLOCK_SIZE)
+    # an element whose v is not finite (NaN or infinite gradient, or a finite one whose square
+    # overflows) counts for neither block absmax; its moments are stored saturated (adam.h)
+    ok = torch.isfinite(v)
+    pad = (-m.numel()) % STATE_BLOCK_SIZE
+    term1 = torch.cat([torch.where(ok, m.abs(), 0.0), m.new_zeros(pad)]).view(-1, STATE_BLOCK_SIZE)
+    term2 = torch.cat([torch.where(ok, v.abs(), 0.0), v.new_zeros(pad)]).view(-1, STATE_BLOCK_SIZE)
+    nq1, na1 = quantize_blockwise_reference(m, code1, STATE_BLOCK_SIZE, absmax=term1.amax(dim=1))
+    nq2, na2 = quantize_blockwise_reference(v, code2, STATE_BLOCK_SIZE, absmax=term2.amax(dim=1))
     return (pf.reshape(p.shape).to(p.dtype), nq1.reshape(p.shape), nq2.reshape(p.shape), na1, na2, m, v)
 
 

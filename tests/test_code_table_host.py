@@ -11,8 +11,10 @@ from pagedopt import quant
 # The host/device-portable half of csrc/cuda/multi_tensor.cuh, compiled for the host: the table
 # search against nearest_code (every 4099th float bit pattern, all of them with
 # PAGEDOPT_BIG_TESTS=1, plus values around every threshold and bucket edge, also for random sorted
-# codebooks, with duplicates, that fit the table), that both dynamic codebooks fit it, and the
-# float bias-correction constants from pow_step against this machine's glibc pow.
+# codebooks, with duplicates, that fit the table), that both dynamic codebooks fit it, that
+# non-finite values saturate (+-inf to the end codes, NaN to the code of 0.0) and do not count
+# towards absmax (finite_abs), and the float bias-correction constants from pow_step against this
+# machine's glibc pow.
 # ---------------------------------------------------------------------------------------------
 _HOST_CHECK = r"""
 #include "multi_tensor.cuh"
@@ -71,9 +73,46 @@ static long check_codebook(const float* code, uint64_t step, std::mt19937& rng, 
   return bad;
 }
 
+// Non-finite values (the policy of pagedopt/codebook.h): they do not count towards a block's absmax
+// (finite_abs), and after normalization by a finite absmax (x * absmax_reciprocal(absmax)) +inf
+// takes the last code, -inf the first, NaN (any payload, either sign) the code of 0.0, in both
+// the table search and nearest_code. Returns the number of violations.
+static long check_special(const float* code) {
+  static CodeTable t;
+  if (!build(code, t)) return 1;
+  const float inf = bits_f32(0x7f800000u);
+  long bad = 0;
+  const uint32_t zero_code = nearest_code(code, 0.0f);
+  const uint32_t nans[] = {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff800001u, 0x7fffffffu, 0xffffffffu};
+  const float absmaxes[] = {1.0f, 3.5e-3f, 1.2e-38f, 2.5e30f, 3.40282347e38f};
+  for (float a : absmaxes) {
+    const float r = absmax_reciprocal(a);
+    bad += fast_nearest_code(t.entry, inf * r) != 255u || nearest_code(code, inf * r) != 255u;
+    bad += fast_nearest_code(t.entry, -inf * r) != 0u || nearest_code(code, -inf * r) != 0u;
+    bad += fast_nearest_code(t.entry, a * r) != 255u;  // the block's absmax itself: the top code
+    for (uint32_t n : nans) {
+      const float x = bits_f32(n) * r;
+      bad += fast_nearest_code(t.entry, x) != zero_code || nearest_code(code, x) != zero_code;
+    }
+  }
+  // finite values beyond the codebook (an element left out of its block's absmax) saturate too
+  bad += fast_nearest_code(t.entry, 3e29f) != 255u || nearest_code(code, 3e29f) != 255u;
+  bad += fast_nearest_code(t.entry, -3e29f) != 0u || nearest_code(code, -3e29f) != 0u;
+  // a block without a finite nonzero value: absmax 0, reciprocal 0, everything to the code of 0.0
+  bad += absmax_reciprocal(0.0f) != 0.0f;
+  bad += fast_nearest_code(t.entry, inf * absmax_reciprocal(0.0f)) != zero_code;
+  bad += fast_nearest_code(t.entry, -inf * absmax_reciprocal(0.0f)) != zero_code;
+  // finite_abs: |x| for finite x, 0 for NaN and +-inf
+  bad += finite_abs(inf) != 0.0f || finite_abs(-inf) != 0.0f;
+  for (uint32_t n : nans) bad += finite_abs(bits_f32(n)) != 0.0f;
+  bad += finite_abs(-3.40282347e38f) != 3.40282347e38f || finite_abs(-0.0f) != 0.0f;
+  bad += finite_abs(-1e-45f) != 1e-45f || finite_abs(-2.5f) != 2.5f;
+  return bad;
+}
+
 int main(int argc, char** argv) {
   const uint64_t step = strtoull(argv[1], nullptr, 10);
-  long bad = 0, dynamic_unfit = 0, random_fit = 0;
+  long bad = 0, dynamic_unfit = 0, random_fit = 0, special_bad = 0;
   std::mt19937 rng(12345);
   for (int f = 2; f < 4; ++f) {  // the two dynamic codebooks, as float32 bytes
     float code[256];
@@ -83,6 +122,7 @@ int main(int argc, char** argv) {
     bool fits = false;
     bad += check_codebook(code, step, rng, fits);
     dynamic_unfit += !fits;
+    special_bad += check_special(code);
   }
   for (int trial = 0; trial < 40; ++trial) {  // random sorted codebooks: those that fit must be exact
     float code[256];
@@ -107,9 +147,9 @@ int main(int argc, char** argv) {
       if (s1 != s2 || i1 != i2) ++const_bad;
     }
   }
-  printf("search_mismatches=%ld dynamic_unfit=%ld random_fit=%ld const_mismatches=%ld\n", bad, dynamic_unfit,
-         random_fit, const_bad);
-  return bad == 0 && dynamic_unfit == 0 && const_bad == 0 ? 0 : 1;
+  printf("search_mismatches=%ld dynamic_unfit=%ld random_fit=%ld const_mismatches=%ld special_mismatches=%ld\n", bad,
+         dynamic_unfit, random_fit, const_bad, special_bad);
+  return bad == 0 && dynamic_unfit == 0 && const_bad == 0 && special_bad == 0 ? 0 : 1;
 }
 """
 

@@ -43,8 +43,11 @@ void adam8bit_tensor_cpu(const at::Tensor& param, const at::Tensor& grad, const 
         m[j] = dequantize_value(code1, q1[i], a1[b]);
         v[j] = dequantize_value(code2, q2[i], a2[b]);
         p[i] = static_cast<scalar_t>(adam_update(static_cast<float>(p[i]), gf, m[j], v[j], c));
-        new_absmax1 = std::max(new_absmax1, std::fabs(m[j]));
-        new_absmax2 = std::max(new_absmax2, std::fabs(v[j]));
+        float t1;
+        float t2;
+        adam_absmax_terms(m[j], v[j], t1, t2);  // an element with a non-finite v counts for neither
+        new_absmax1 = std::max(new_absmax1, t1);
+        new_absmax2 = std::max(new_absmax2, t2);
       }
       const float inv1 = absmax_reciprocal(new_absmax1);
       const float inv2 = absmax_reciprocal(new_absmax2);

@@ -31,7 +31,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x_in
         const int64_t lo = b * blocksize;
         const int64_t hi = std::min(n, lo + blocksize);
         float m = 0.0f;
-        for (int64_t i = lo; i < hi; ++i) m = std::max(m, std::fabs(static_cast<float>(xs[i])));
+        for (int64_t i = lo; i < hi; ++i) m = std::max(m, finite_abs(static_cast<float>(xs[i])));
         am[b] = m;
         const float inv = absmax_reciprocal(m);
         for (int64_t i = lo; i < hi; ++i) q[i] = quantize_value(cb, static_cast<float>(xs[i]), inv);

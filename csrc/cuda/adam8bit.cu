@@ -216,8 +216,11 @@ __device__ __forceinline__ void adam_block_full(const TensorView& tv, int64_t lb
   for (int k = 0; k < 8; ++k) {
     pv[k] = adam_element<kHasScale>(pv[k], gv[k], m[k], v[k], byte_of(w1, k), byte_of(w2, k), a1, a2, sm, c,
                                     inv_scale);
-    mx1 = fmaxf(mx1, fabsf(m[k]));  // fmaxf skips NaN, as the CPU's std::max(acc, x) does
-    mx2 = fmaxf(mx2, fabsf(v[k]));
+    float t1;
+    float t2;
+    adam_absmax_terms(m[k], v[k], t1, t2);  // an element with a non-finite v counts for neither
+    mx1 = fmaxf(mx1, t1);
+    mx2 = fmaxf(mx2, t2);
   }
   Elem<T>::store8(p, pv);
   mx1 = warp_max_nonneg(mx1);
@@ -252,8 +255,11 @@ __device__ __forceinline__ void adam_block_partial(const TensorView& tv, int64_t
       float v;
       adam_element<kHasScale>(Elem<T>::load(p + i), Elem<T>::load(g + i), m, v, tv.q1[i], tv.q2[i], a1, a2, sm, c,
                               inv_scale);
-      mx1 = fmaxf(mx1, fabsf(m));
-      mx2 = fmaxf(mx2, fabsf(v));
+      float t1;
+      float t2;
+      adam_absmax_terms(m, v, t1, t2);
+      mx1 = fmaxf(mx1, t1);
+      mx2 = fmaxf(mx2, t2);
     }
   }
   mx1 = warp_max_nonneg(mx1);

@@ -328,7 +328,8 @@ __device__ __forceinline__ uint2 pack8(const uint32_t (&c)[8]) {
 }
 
 // The largest of the lanes' non-negative, non-NaN floats: their bit patterns order as unsigned
-// integers, so one warp reduction instruction does it.
+// integers, so one warp reduction instruction does it. The kernels pass finite_abs maxima (finite,
+// >= 0: +inf, whose pattern is above every finite one, never reaches it).
 __device__ __forceinline__ float warp_max_nonneg(float x) {
   return __uint_as_float(__reduce_max_sync(kFullMask, __float_as_uint(x)));
 }

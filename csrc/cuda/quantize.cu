@@ -1,5 +1,5 @@
 // CUDA blockwise quantize / dequantize. Same results as csrc/cpu/quantize.cpp, bit for bit:
-// the same absmax (an exact max), x * absmax_reciprocal(absmax), and nearest_code (or the exact
+// the same absmax (an exact max of the finite |x|), x * absmax_reciprocal(absmax), and nearest_code (or the exact
 // table search of multi_tensor.cuh, which returns the same code for every float).
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -50,7 +50,7 @@ __device__ __forceinline__ void quantize_block256(const T* __restrict__ x, int64
   }
   float mx = 0.0f;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) mx = fmaxf(mx, fabsf(v[k]));  // skips NaN, as the CPU's std::max does
+  for (int k = 0; k < 8; ++k) mx = fmaxf(mx, finite_abs(v[k]));  // NaN, +-inf do not count (as on the CPU)
   mx = warp_max_nonneg(mx);
   const float inv = absmax_reciprocal(mx);
   if (full) {
@@ -74,7 +74,7 @@ __device__ __forceinline__ void quantize_block_generic(const T* __restrict__ x, 
   const int64_t lo = b * blocksize;
   const int64_t len = std::min(blocksize, n - lo);
   float mx = 0.0f;
-  for (int64_t i = lane; i < len; i += kWarp) mx = fmaxf(mx, fabsf(Elem<T>::load(x + lo + i)));
+  for (int64_t i = lane; i < len; i += kWarp) mx = fmaxf(mx, finite_abs(Elem<T>::load(x + lo + i)));
   mx = warp_max_nonneg(mx);
   const float inv = absmax_reciprocal(mx);
   for (int64_t i = lane; i < len; i += kWarp) {

@@ -9,7 +9,8 @@ namespace pagedopt {
 
 // Index of the codebook entry nearest to `x` in value, ties going to the lower index
 // (the same answer as argmin(|code - x|)); NaN is quantized as 0.0. `code` must be sorted
-// ascending.
+// ascending. Infinities saturate: +inf gets the last (largest) code, -inf the first (smallest):
+// -0.993 (the code nearest -1.0) for the signed dynamic map, 0.0 for the unsigned one.
 PAGEDOPT_HOST_DEVICE uint8_t nearest_code(const float* code, float x) {
   if (x != x) x = 0.0f;
   int idx = 0;
@@ -24,9 +25,19 @@ PAGEDOPT_UNROLL
   return static_cast<uint8_t>(d_upper < d_lower ? upper : idx);
 }
 
+// A block's absmax is the largest finite_abs of its values: NaN and +-inf do not count, so one
+// non-finite value cannot make every other value of its block dequantize to NaN or inf (it is
+// stored saturated instead: x * (1 / absmax) stays +-inf, which nearest_code maps to an end of the
+// codebook, and NaN goes to the code of 0.0). One compare and select per value.
+PAGEDOPT_HOST_DEVICE float finite_abs(float x) {
+  const float a = fabsf(x);
+  return a <= 3.40282347e38f ? a : 0.0f;  // false for NaN and inf
+}
+
 // A block's values are normalized as x * absmax_reciprocal(absmax): one correctly rounded reciprocal
 // per block, then a multiplication per value (within one ulp of x / absmax). A block whose absmax
-// is zero, or below the smallest normal float (every value under 1.2e-38), normalizes to zero.
+// is zero, or below the smallest normal float (every finite value under 1.2e-38), normalizes to
+// zero (and its infinities to NaN, so every value of such a block gets the code of 0.0).
 PAGEDOPT_HOST_DEVICE float absmax_reciprocal(float absmax) {
   return absmax >= 1.17549435e-38f ? 1.0f / absmax : 0.0f;
 }
