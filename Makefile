@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: setup demo test bench-smoke
+.PHONY: setup demo test test-transformers-457 bench-smoke
 
 setup:
 	bash scripts/setup.sh
@@ -10,6 +10,11 @@ demo: setup
 
 test: setup
 	$(PYTHON) -m pytest -q tests
+	PYTHON=$(PYTHON) bash scripts/test_transformers457.sh
+
+# tests/test_transformers_trainer.py again, on transformers 4.57 (a venv over the system packages)
+test-transformers-457: setup
+	PYTHON=$(PYTHON) bash scripts/test_transformers457.sh
 
 bench-smoke: setup
 	$(PYTHON) -m pytest -q tests/test_bench_smoke.py

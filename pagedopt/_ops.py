@@ -63,6 +63,51 @@ def _adam8bit_step_fake(params, grads, state1, state2, absmax1, absmax2, steps, 
     return None
 
 
+@torch._library.register_fake_class("pagedopt::AdamStateList")
+class FakeAdamStateList:
+    """What tracing (torch.compile, torch.export, opcheck) sees of a torch.classes.pagedopt.AdamStateList:
+    the held states, steps and codebooks as fake tensors (from the C++ ``__obj_flatten__``)."""
+
+    def __init__(self, state1, state2, absmax1, absmax2, steps, code1, code2):
+        self.state1, self.state2, self.absmax1, self.absmax2 = state1, state2, absmax1, absmax2
+        self.steps, self.code1, self.code2 = steps, code1, code2
+
+    @classmethod
+    def __obj_unflatten__(cls, flattened):
+        return cls(**dict(flattened))
+
+    def size(self) -> int:
+        return len(self.state1)
+
+
+@torch.library.register_fake("pagedopt::adam8bit_step_list_")
+def _adam8bit_step_list_fake(states, params, grads, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale,
+                             found_inf):
+    # The states held by `states` are updated in place too, which a schema cannot annotate (they
+    # are inside a custom class): a traced graph sees this op as mutating params only (it is
+    # auto-functionalized; an op with mutable arguments gets no effect token), so a graph that also
+    # read the held states could be reordered around it. AdamBase.step() never traces it (see its
+    # docstring); the op exists to cut the eager step's per-call overhead. This fake is what
+    # opcheck, torch.export and a user's own trace of the op need.
+    n = states.size()
+    torch._check(len(params) == n and len(grads) == n,
+                 lambda: f"adam8bit_step_list_: {len(params)} params, {len(grads)} grads, {n} held states")
+    return None
+
+
+@torch.library.register_fake("pagedopt::check_grads")
+def _check_grads_fake(params, grads):
+    # check_grads reads metadata only, so its fake gives the real answer (csrc/check_grads.cpp).
+    torch._check(len(params) == len(grads), lambda: f"check_grads: {len(params)} params but {len(grads)} grads")
+    contiguous = True
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if not (g.layout == torch.strided and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and g.dtype == p.dtype and g.shape == p.shape and g.device == p.device):
+            return i
+        contiguous = contiguous and p.is_contiguous() and g.is_contiguous()
+    return GRADS_CONTIGUOUS if contiguous else GRADS_NOT_CONTIGUOUS
+
+
 @torch.library.register_fake("pagedopt::managed_empty")
 def _managed_empty_fake(size, dtype, device):
     return torch.empty(size, dtype=dtype, device=device)

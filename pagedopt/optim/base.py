@@ -56,6 +56,15 @@ class _StepPlan(NamedTuple):
     steps_by_device: dict
 
 
+def _run_update(optimizer: "AdamBase") -> None:
+    optimizer._update()
+
+
+# The update as dynamo sees it: a function it does not trace (a graph break), run eagerly even
+# inside a compiled frame. torch._disable_dynamo imports dynamo lazily, at the first compiled step.
+_update_outside_graph = torch._disable_dynamo(_run_update, recursive=True)
+
+
 def _describe(gi: int, pi: int, p: torch.Tensor) -> str:
     return f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, {p.dtype}, {p.device})"
 
@@ -211,13 +220,44 @@ class AdamBase(torch.optim.Optimizer):
         return state
 
     # ------------------------------------------------------------------ step
-    @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
+        """One Adam step over every parameter with a gradient; returns ``closure()`` if given.
+
+        Under ``torch.compile`` the update is a clean graph break: the closure (if any) is traced
+        with the caller's code, and the update itself (``_update``) runs eagerly, outside every
+        graph, through ``torch._dynamo.disable`` (see ``_update_outside_graph``). So a compiled
+        training function that calls ``opt.step()`` (with ``fullgraph=False``), and
+        ``torch.compile(opt.step)``, run exactly the kernels of an eager step and give bit-identical
+        parameters and states.
+
+        Why not trace it: each bucket's update is already one fused multi-tensor kernel (our 8-bit
+        op, or torch's ``_fused_adam(w)_``), opaque to inductor, so a graph has nothing to fuse; it
+        would only add guards on every parameter and state (recompiling when states are created or
+        reset, or param groups change), functionalized copies of the mutated tensors unless inductor
+        re-inplaces them, and a hidden mutation (the 8-bit states held by the AdamStateList object,
+        which a schema cannot annotate and which alias the plan's step lists: dynamo refuses such
+        an object with UnsafeScriptObjectError). The paged path (residency, prefetch, staging) is
+        host-side driver work that cannot be traced at all. A training step graph-breaks at
+        ``loss.backward()`` anyway (without compiled autograd), so this costs one more resumption of
+        the compiled frame; in eager mode the check is one ``torch.compiler.is_compiling()`` call
+        (about 0.2 us). torch's own optimizers use the same pattern for what they cannot compile:
+        ``_disable_dynamo_if_unsupported`` runs the functional step under ``torch._disable_dynamo``
+        when compiling a non-capturable step whose step counters are on a GPU.
+        ``fullgraph=True`` cannot include ``step()`` (a graph break is an error there).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if torch.compiler.is_compiling():
+            _update_outside_graph(self)
+        else:
+            self._update()
+        return loss
 
+    @torch.no_grad()
+    def _update(self) -> None:
+        """The update of step(), always eager (see step())."""
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         for group in self.param_groups:
@@ -227,7 +267,7 @@ class AdamBase(torch.optim.Optimizer):
                     params.append(p)
                     grads.append(g)
         if not params:
-            return loss
+            return
 
         # 1. Validate every gradient (one C++ call) before any state changes.
         verdict = _ops.check_grads(params, grads)
@@ -258,7 +298,6 @@ class AdamBase(torch.optim.Optimizer):
         if found_inf is not None:
             for device, steps in plan.steps_by_device.items():
                 torch._foreach_sub_(steps, found_inf.to(device, non_blocking=True))
-        return loss
 
     def _raise_bad_grad(self, p: torch.Tensor) -> None:
         for gi, group in enumerate(self.param_groups):

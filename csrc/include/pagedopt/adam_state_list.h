@@ -8,6 +8,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>
 
+#include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -34,6 +36,19 @@ struct AdamStateList : torch::CustomClassHolder {
         code2(std::move(code2_)) {}
 
   int64_t size() const { return static_cast<int64_t>(state1.size()); }
+
+  // (name, value) pairs of everything held, for torch.compile's fake class (pagedopt/_ops.py,
+  // FakeAdamStateList.__obj_unflatten__): tracing fakifies these tensors instead of running on the
+  // real ones. The held tensors themselves, not copies (states can be gigabytes).
+  auto obj_flatten() const {
+    return std::make_tuple(std::make_tuple(std::string("state1"), state1),
+                           std::make_tuple(std::string("state2"), state2),
+                           std::make_tuple(std::string("absmax1"), absmax1),
+                           std::make_tuple(std::string("absmax2"), absmax2),
+                           std::make_tuple(std::string("steps"), steps),
+                           std::make_tuple(std::string("code1"), code1),
+                           std::make_tuple(std::string("code2"), code2));
+  }
 };
 
 // Registers the class as torch.classes.pagedopt.AdamStateList. An inline variable: every file that
@@ -43,7 +58,16 @@ inline const auto kAdamStateListClass =
     torch::class_<AdamStateList>("pagedopt", "AdamStateList")
         .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                          std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, at::Tensor>())
-        .def("size", &AdamStateList::size);
+        .def("size", &AdamStateList::size)
+        .def("__obj_flatten__", [](const c10::intrusive_ptr<AdamStateList>& self) { return self->obj_flatten(); })
+        // Identity, for tracing's fake-tensor dispatch cache, whose keys hold the object.
+        .def("__eq__", [](const c10::intrusive_ptr<AdamStateList>& self,
+                          const c10::intrusive_ptr<AdamStateList>& other) { return self.get() == other.get(); })
+        // len() raises TypeError, as for any Python object without a length (a script object's default
+        // raises NotImplementedError, which torch.library.opcheck's input cloning does not expect).
+        .def("__len__", [](const c10::intrusive_ptr<AdamStateList>&) -> int64_t {
+          TORCH_CHECK_TYPE(false, "AdamStateList has no len(); size() is the number of parameters it holds");
+        });
 
 // The kernel signature of adam8bit_step_list_ for a backend whose adam8bit_step_ is `step`.
 template <auto step>

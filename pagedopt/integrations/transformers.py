@@ -1,0 +1,341 @@
+"""Hugging Face Trainer ``optim=`` names for pagedopt (transformers 4.57 and 5.x).
+
+    import pagedopt.integrations.transformers as pagedopt_hf
+    pagedopt_hf.register()      # before TrainingArguments(optim=...) or HfArgumentParser(...)
+
+    args = TrainingArguments("out", optim="pagedopt_paged_adamw_8bit",
+                             optim_args="min_8bit_size=16384,beta2=0.95")
+    Trainer(model=model, args=args, train_dataset=ds).train()
+
+or, on the command line of a script that calls ``register()`` before it builds its parser,
+``--optim pagedopt_paged_adamw_8bit --optim_args "min_8bit_size=16384,beta2=0.95"``.
+
+Without ``register()`` (the Trainer's own, patch-free route; ``args.optim`` is then ignored):
+
+    cls, kwargs = pagedopt_hf.optimizer_cls_and_kwargs("pagedopt_adamw_8bit", args, model)
+    Trainer(model=model, args=args, train_dataset=ds, optimizer_cls_and_kwargs=(cls, kwargs))
+
+Names: ``NAMES`` below, one per optimizer class (``pagedopt_paged_adamw_8bit`` is
+``pagedopt.PagedAdamW8bit``, and so on). lr, betas, eps and weight decay come from the
+TrainingArguments (``learning_rate``, ``adam_beta1``, ``adam_beta2``, ``adam_epsilon``,
+``weight_decay``; the Trainer puts no weight decay on biases and norms), as for the built-in names.
+
+``optim_args`` ("key=value,key=value") is parsed strictly: an unknown key, a repeated key or a
+bad value is a ValueError that lists the accepted keys. Accepted:
+
+* ``beta1``, ``beta2``, ``eps``: override adam_beta1, adam_beta2, adam_epsilon;
+* ``optim_bits`` (8 or 32): only for the names whose class takes the width as an argument
+  (``pagedopt_adam``, ``pagedopt_adamw``, ``pagedopt_paged_adam``, ``pagedopt_paged_adamw``;
+  their default is 32, as in the classes);
+* ``min_8bit_size`` (int) and ``embeddings_32bit`` (true/false): for the names that can keep
+  8-bit states (not the ``*_32bit`` ones, where they would do nothing).
+
+Embeddings: as the Trainer does for bitsandbytes' 8-bit optimizers, every ``nn.Embedding`` of the
+model keeps 32-bit states (``pagedopt.GlobalOptimManager.register_module_override(module,
+"weight", {"optim_bits": 32})``) whenever the optimizer would keep 8-bit states;
+``optim_args="embeddings_32bit=false"`` turns that off (an earlier override of the same module
+by this module is then withdrawn). The override is applied when the optimizer is made (to the
+model the Trainer hands over; with ``optimizer_cls_and_kwargs``, only if ``model`` is passed) and
+takes effect when a parameter's state is created, so states restored from a checkpoint keep the
+width they were saved with.
+
+Design decisions
+----------------
+* Names. transformers has no public registry of optimizer names. Both 4.57 and 5.x check the name
+  with ``OptimizerNames(args.optim)`` in ``TrainingArguments.__post_init__`` and offer the
+  members of that enum as the ``--optim`` choices of ``HfArgumentParser`` (fixed when a parser is
+  built, so a parser built before ``register()`` still refuses our names). ``register()`` adds one
+  member per name to that enum the way ``enum`` itself adds members when it creates a class
+  (``_member_type_.__new__``, ``_name_``/``_value_``/``__objclass__``/``_sort_order_``, then
+  ``_member_names_``, ``_member_map_`` with the class attribute -- through ``EnumType._add_member_``
+  where Python has it (3.13+) -- and ``_value2member_map_``), and then checks that lookup by
+  value, by name, by attribute, iteration, ``in`` and pickling all see the new member; if a future
+  Python breaks that, ``register()`` raises and names the patch-free route. No ``aenum``
+  dependency, no rebuilt class (code that imported ``OptimizerNames`` keeps working). The insertion
+  and the pickling below were checked on CPython 3.10, 3.11, 3.12 and 3.13.
+* Dispatch. 4.57 maps names in the static ``Trainer.get_optimizer_cls_and_kwargs`` (an if/elif
+  chain that raises for unknown names); in 5.x the same public static method, with the same
+  signature, looks the name up in the private dict ``trainer_optimizer._OPTIMIZER_HANDLERS`` and
+  is the only reader of that dict. ``register()`` wraps that static method (once; the original is kept as
+  ``__wrapped__``) so that our names go to ``optimizer_cls_and_kwargs`` and every other name to the
+  original. One route for both versions, through a public name, and our strict ``optim_args``
+  parser runs before transformers' own (which in 5.x would otherwise fail first on a malformed
+  entry). A Trainer subclass that overrides the method without calling ``super()`` does not see
+  our names; it can use ``optimizer_cls_and_kwargs`` directly.
+* ``import pagedopt`` does not register, lazily or otherwise: importing an optimizer library
+  should not change another library, and a registration that happened only when transformers was
+  imported first would make the names work or not depending on import order. ``register()`` is
+  one explicit, idempotent, thread-safe line.
+* Unpickling. The Trainer writes ``training_args.bin`` with ``torch.save(args)``, which pickles the
+  enum member; an enum member normally unpickles as ``OptimizerNames("pagedopt_...")``, which in a
+  fresh process (where nobody called ``register()``) raises. Each member we add therefore pickles
+  as a call of ``pagedopt.integrations.transformers._unpickle_optimizer_name(value)`` (an instance
+  attribute ``__reduce_ex__`` that only our members have), which registers and returns the member.
+  So ``torch.load("training_args.bin", weights_only=False)`` works in a fresh process with
+  pagedopt installed, with no call first (calling ``register()`` first does no harm). That
+  function's name is part of the pickle format: do not rename it.
+* The ``GlobalOptimManager`` keeps the overridden embedding modules (as bitsandbytes' does) for the
+  life of the process, or until ``GlobalOptimManager.get_instance().initialize()``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import threading
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from ..optim import (Adam, Adam8bit, Adam32bit, AdamW, AdamW8bit, AdamW32bit, GlobalOptimManager, PagedAdam,
+                     PagedAdam8bit, PagedAdam32bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit)
+
+__all__ = ["NAMES", "register", "optimizer_cls_and_kwargs", "parse_optim_args", "accepted_optim_args"]
+
+
+class OptimizerName(NamedTuple):
+    cls: type
+    bits: Optional[int]   # the state width the class fixes (8 or 32), or None: chosen by optim_bits
+
+
+# One line per optimizer: Trainer name -> (class, fixed state width or None).
+NAMES: dict[str, OptimizerName] = {
+    "pagedopt_adam": OptimizerName(Adam, None),
+    "pagedopt_adamw": OptimizerName(AdamW, None),
+    "pagedopt_adam_8bit": OptimizerName(Adam8bit, 8),
+    "pagedopt_adamw_8bit": OptimizerName(AdamW8bit, 8),
+    "pagedopt_adam_32bit": OptimizerName(Adam32bit, 32),
+    "pagedopt_adamw_32bit": OptimizerName(AdamW32bit, 32),
+    "pagedopt_paged_adam": OptimizerName(PagedAdam, None),
+    "pagedopt_paged_adamw": OptimizerName(PagedAdamW, None),
+    "pagedopt_paged_adam_8bit": OptimizerName(PagedAdam8bit, 8),
+    "pagedopt_paged_adamw_8bit": OptimizerName(PagedAdamW8bit, 8),
+    "pagedopt_paged_adam_32bit": OptimizerName(PagedAdam32bit, 32),
+    "pagedopt_paged_adamw_32bit": OptimizerName(PagedAdamW32bit, 32),
+}
+
+_TRUE = ("true", "1", "yes")
+_FALSE = ("false", "0", "no")
+
+
+# ---------------------------------------------------------------------------- names and optim_args
+def _entry(name) -> tuple[str, OptimizerName]:
+    key = getattr(name, "value", name)  # an OptimizerNames member or a plain string
+    if isinstance(key, str) and key in NAMES:
+        return key, NAMES[key]
+    raise ValueError(f"{key!r} is not a pagedopt optimizer name (one of {', '.join(NAMES)})")
+
+
+def accepted_optim_args(name) -> tuple[str, ...]:
+    """The ``optim_args`` keys that ``name`` accepts."""
+    _, entry = _entry(name)
+    keys = ["beta1", "beta2", "eps"]
+    if entry.bits is None:
+        keys.append("optim_bits")
+    if entry.bits != 32:
+        keys += ["min_8bit_size", "embeddings_32bit"]
+    return tuple(keys)
+
+
+def parse_optim_args(name, optim_args: Optional[str]) -> dict[str, Any]:
+    """Parse ``optim_args`` ("key=value,...", spaces ignored, as transformers does) for ``name``,
+    strictly: a malformed entry, an unknown or repeated key, or a bad value is a ValueError."""
+    name, _ = _entry(name)
+    accepted = accepted_optim_args(name)
+    listing = (f"accepted keys for {name}: {', '.join(accepted)} (lr, betas, eps and weight decay also come "
+               f"from TrainingArguments: learning_rate, adam_beta1, adam_beta2, adam_epsilon, weight_decay)")
+    parsed: dict[str, Any] = {}
+    if not optim_args:
+        return parsed
+    for entry in optim_args.replace(" ", "").split(","):
+        key, sep, value = entry.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"optim_args {optim_args!r}: {entry!r} is not key=value; {listing}")
+        if key not in accepted:
+            raise ValueError(f"optim_args {optim_args!r}: unknown key {key!r}; {listing}")
+        if key in parsed:
+            raise ValueError(f"optim_args {optim_args!r}: {key!r} is given twice; {listing}")
+        parsed[key] = _parse_value(key, value, optim_args)
+    return parsed
+
+
+def _parse_value(key: str, value: str, optim_args: str):
+    def bad(expected):
+        return ValueError(f"optim_args {optim_args!r}: {key}={value!r} is not {expected}")
+
+    if key in ("beta1", "beta2", "eps"):
+        try:
+            v = float(value)
+        except ValueError:
+            raise bad("a float") from None
+        if not math.isfinite(v):
+            raise bad("a finite float")
+        return v  # ranges are checked by the optimizer, with its own messages
+    if key in ("min_8bit_size", "optim_bits"):
+        try:
+            v = int(value)
+        except ValueError:
+            raise bad("an integer") from None
+        if key == "optim_bits" and v not in (8, 32):
+            raise bad("8 or 32")
+        if v < 0:
+            raise bad("an integer >= 0")
+        return v
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise bad(f"a boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE)})")
+
+
+def optimizer_cls_and_kwargs(name, training_args, model: Optional[torch.nn.Module] = None) -> tuple[type, dict]:
+    """The pagedopt class for ``name`` and its keyword arguments from ``training_args`` (lr, betas,
+    eps, weight_decay; ``training_args.optim_args`` parsed by ``parse_optim_args``), for
+    ``Trainer(optimizer_cls_and_kwargs=...)``. Needs no ``register()``. With ``model``, its
+    embeddings keep 32-bit states (unless ``embeddings_32bit=false``) when the optimizer would keep
+    8-bit ones. ``training_args.optim`` is not read."""
+    name, entry = _entry(name)
+    a = training_args
+    opts = parse_optim_args(name, a.optim_args)
+    kwargs: dict[str, Any] = {
+        "lr": a.learning_rate,
+        "betas": (opts.get("beta1", a.adam_beta1), opts.get("beta2", a.adam_beta2)),
+        "eps": opts.get("eps", a.adam_epsilon),
+        "weight_decay": a.weight_decay,
+    }
+    for key in ("optim_bits", "min_8bit_size"):
+        if key in opts:
+            kwargs[key] = opts[key]
+    eight_bit = entry.bits == 8 or (entry.bits is None and kwargs.get("optim_bits", 32) == 8)
+    if model is not None:
+        _override_embeddings(model, eight_bit and opts.get("embeddings_32bit", True))
+    return entry.cls, kwargs
+
+
+# Our (module, "weight", config) entries in GlobalOptimManager.module_weight_config_triple.
+_embedding_overrides: list = []
+
+
+def _override_embeddings(model: torch.nn.Module, on: bool) -> None:
+    manager = GlobalOptimManager.get_instance()
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    mine = {id(m) for m in embeddings}
+    # Withdraw what we registered earlier for these modules (a second Trainer on the same model).
+    stale = [t for t in _embedding_overrides if id(t[0]) in mine]
+    manager.module_weight_config_triple[:] = [
+        t for t in manager.module_weight_config_triple if not any(t is s for s in stale)]
+    _embedding_overrides[:] = [t for t in _embedding_overrides if not any(t is s for s in stale)]
+    if on:
+        for m in embeddings:
+            manager.register_module_override(m, "weight", {"optim_bits": 32})
+            _embedding_overrides.append(manager.module_weight_config_triple[-1])
+
+
+# ---------------------------------------------------------------------------- registration
+_lock = threading.RLock()
+_registration = {"done": False, "busy": False}
+
+
+def register() -> None:
+    """Make the names of ``NAMES`` valid ``TrainingArguments.optim`` values, ``--optim`` choices of
+    parsers built afterwards, and Trainer optimizers. Idempotent; imports transformers."""
+    with _lock:
+        from transformers import trainer as hf_trainer
+        from transformers import training_args as hf_training_args
+
+        _registration["busy"] = True
+        try:
+            enum_cls = hf_training_args.OptimizerNames
+            for name in NAMES:
+                _add_enum_member(enum_cls, name.upper(), name)
+            _wrap_get_optimizer_cls_and_kwargs(hf_trainer.Trainer)
+            _registration["done"] = True
+        finally:
+            _registration["busy"] = False
+
+
+def _unpickle_optimizer_name(value: str):
+    """Pickles of our OptimizerNames members call this (so keep its name): register, return it."""
+    with _lock:
+        if not (_registration["done"] or _registration["busy"]):  # busy: register()'s own pickle check
+            register()
+    from transformers.training_args import OptimizerNames
+
+    return OptimizerNames(value)
+
+
+def _reduce_member(value: str, protocol=None):
+    return _unpickle_optimizer_name, (value,)
+
+
+def _add_enum_member(cls, attr: str, value: str):
+    """Add member ``attr`` = ``value`` to the (str, Enum) class ``cls``, as ``enum`` does."""
+    existing = cls._value2member_map_.get(value)
+    if existing is None:
+        if attr in cls._member_map_ or attr in cls.__dict__:
+            raise RuntimeError(f"pagedopt: {cls.__name__} already has an attribute {attr!r}")
+        member = cls._member_type_.__new__(cls, value)
+        member._value_ = value
+        member._name_ = attr
+        member.__objclass__ = cls
+        member.__init__(value)
+        member._sort_order_ = len(cls._member_names_)
+        # pickles as _unpickle_optimizer_name(value), which registers in a fresh process
+        object.__setattr__(member, "__reduce_ex__", functools.partial(_reduce_member, value))
+        cls._member_names_.append(attr)
+        if hasattr(cls, "_add_member_"):  # Python 3.13+: the enum's own (private) way
+            cls._add_member_(attr, member)
+        else:
+            setattr(cls, attr, member)
+            cls._member_map_[attr] = member
+        cls._value2member_map_[value] = member
+        existing = member
+    _check_enum_member(cls, attr, value, existing)
+    return existing
+
+
+def _check_enum_member(cls, attr: str, value: str, member) -> None:
+    import pickle
+
+    checks = {
+        f"{cls.__name__}({value!r})": lambda: cls(value) is member,
+        f"{cls.__name__}[{attr!r}]": lambda: cls[attr] is member,
+        f"{cls.__name__}.{attr}": lambda: getattr(cls, attr) is member,
+        "iteration": lambda: any(m is member for m in cls) and value in [m.value for m in cls],
+        "membership": lambda: member in cls,
+        "name/value": lambda: member.name == attr and member.value == value and member == value,
+        "pickle": lambda: pickle.loads(pickle.dumps(member)) is member,
+    }
+    for what, check in checks.items():
+        try:
+            ok = check()
+        except Exception:  # noqa: BLE001 - reported below
+            ok = False
+        if not ok:
+            raise RuntimeError(
+                f"pagedopt could not add {value!r} to transformers' {cls.__name__} on Python "
+                f"{sys.version.split()[0]} ({what} does not see it). Use the patch-free route instead: "
+                "Trainer(optimizer_cls_and_kwargs=pagedopt.integrations.transformers.optimizer_cls_and_kwargs"
+                "(name, args, model))")
+
+
+def _wrap_get_optimizer_cls_and_kwargs(trainer_cls) -> None:
+    current = trainer_cls.__dict__.get("get_optimizer_cls_and_kwargs")
+    if not isinstance(current, staticmethod):
+        raise RuntimeError(
+            "pagedopt: this transformers version has no static Trainer.get_optimizer_cls_and_kwargs to "
+            "extend; use Trainer(optimizer_cls_and_kwargs=pagedopt.integrations.transformers."
+            "optimizer_cls_and_kwargs(name, args, model))")
+    original = current.__func__
+    if getattr(original, "_pagedopt", False):
+        return  # already wrapped
+
+    @functools.wraps(original)
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        optim = getattr(args, "optim", None)
+        if getattr(optim, "value", optim) in NAMES:
+            return optimizer_cls_and_kwargs(optim, args, model)
+        return original(args, model)
+
+    get_optimizer_cls_and_kwargs._pagedopt = True
+    trainer_cls.get_optimizer_cls_and_kwargs = staticmethod(get_optimizer_cls_and_kwargs)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs tests/test_transformers_trainer.py on transformers 4.57, the oldest version that
+# pagedopt.integrations.transformers supports, in a venv over the system packages (torch,
+# pagedopt as built in place by scripts/setup.sh, pytest, hypothesis, accelerate), so only
+# transformers 4.57 and its huggingface-hub/tokenizers are installed there. Idempotent; used by
+# `make test` and `make test-transformers-457`. PAGEDOPT_TEST_TRANSFORMERS=0 skips it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VENV457:-.venv-transformers457}
+
+if [ "${PAGEDOPT_TEST_TRANSFORMERS:-1}" = 0 ]; then
+  echo "transformers 4.57 tests skipped (PAGEDOPT_TEST_TRANSFORMERS=0)"
+  exit 0
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv --system-site-packages "$VENV"
+fi
+if ! "$VENV/bin/python" -c "import sys, transformers; sys.exit(not transformers.__version__.startswith('4.57.'))" 2>/dev/null; then
+  "$VENV/bin/python" -m pip install -q "transformers==4.57.*"
+fi
+"$VENV/bin/python" - <<'PY'
+import torch, transformers, pagedopt
+print(f"transformers {transformers.__version__} (venv), torch {torch.__version__}, pagedopt from {pagedopt.__file__}")
+PY
+"$VENV/bin/python" -m pytest -q tests/test_transformers_trainer.py "$@"

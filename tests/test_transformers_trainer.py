@@ -1,0 +1,324 @@
+"""Hugging Face Trainer ``optim=`` names (``pagedopt.integrations.transformers``), CPU only.
+
+Runs on transformers 4.57 and 5.x (``make test-transformers-457`` runs this file on 4.57):
+
+* every name trains a tiny Llama through the Trainer with its own class (derived here from the
+  name), lr/betas/eps/weight decay from the TrainingArguments, 32-bit embedding states (8-bit
+  with ``embeddings_32bit=false``) and 8-bit states on the other large matrices for 8-bit names;
+  the names cover every optimizer class pagedopt exports;
+* ``optim_args`` is parsed strictly, also when it reaches the Trainer;
+* an HfArgumentParser built after ``register()`` takes the README's command line;
+* resume, for three representative names: 6 uninterrupted steps (checkpoints at 3 and 6) against
+  a new process that loads ``checkpoint-3/training_args.bin`` before anything has imported
+  pagedopt (its unpickling registers the names), starts from a differently initialised model,
+  resumes from checkpoint-3 and makes the 3 remaining steps: final weights bit for bit;
+* the README section's snippets run (read from README.md).
+"""
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: no hub access
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from transformers import HfArgumentParser, Trainer, TrainingArguments  # noqa: E402
+
+import pagedopt  # noqa: E402
+from pagedopt.integrations import transformers as pagedopt_hf  # noqa: E402
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS_DIR)
+sys.path.insert(0, TESTS_DIR)
+import _hf_tiny as tiny  # noqa: E402
+
+# paged classes work unpaged off CUDA and say so once; that is not under test here
+pytestmark = pytest.mark.filterwarnings("ignore::pagedopt.paging.PagingFallbackWarning")
+
+NAMES = ["pagedopt_adam", "pagedopt_adamw", "pagedopt_adam_8bit", "pagedopt_adamw_8bit", "pagedopt_adam_32bit",
+         "pagedopt_adamw_32bit", "pagedopt_paged_adam", "pagedopt_paged_adamw", "pagedopt_paged_adam_8bit",
+         "pagedopt_paged_adamw_8bit", "pagedopt_paged_adam_32bit", "pagedopt_paged_adamw_32bit"]
+VARIABLE_WIDTH = [n for n in NAMES if not n.endswith("bit")]  # the width is the optim_bits argument
+SEED, DATA_SEED = 0, 1
+# Hyperparameters unlike every default, so that each one is seen to come from the arguments.
+HYPER = dict(learning_rate=2e-3, adam_beta1=0.85, adam_beta2=0.97, adam_epsilon=1e-7, weight_decay=0.05)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    pagedopt_hf.register()
+    yield
+    # the embedding overrides of this file's models stay in the process-wide manager otherwise
+    pagedopt.GlobalOptimManager.get_instance().initialize()
+
+
+def expected_class(name: str) -> type:
+    """The class a name stands for, by the naming rule (pagedopt_paged_adamw_8bit -> PagedAdamW8bit)."""
+    words = {"paged": "Paged", "adam": "Adam", "adamw": "AdamW"}
+    return getattr(pagedopt, "".join(words.get(w, w) for w in name[len("pagedopt_"):].split("_")))
+
+
+def expected_keys(name: str) -> set:
+    """The optim_args keys a name accepts, by the rule of the README."""
+    keys = {"beta1", "beta2", "eps"}
+    if name in VARIABLE_WIDTH:
+        keys.add("optim_bits")
+    if not name.endswith("32bit"):
+        keys |= {"min_8bit_size", "embeddings_32bit"}
+    return keys
+
+
+def inner(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the Trainer's optimizer
+
+
+def train(tmp_path, name, optim_args=None, steps=2, **kwargs):
+    model = tiny.make_model(SEED)
+    args = TrainingArguments(optim=name, optim_args=optim_args, **HYPER, **kwargs,
+                             **tiny.run_kwargs(str(tmp_path / "run"), steps, steps, SEED))
+    trainer = Trainer(model=model, args=args, train_dataset=tiny.Tokens(DATA_SEED))
+    trainer.train()
+    return model, args, trainer
+
+
+# ------------------------------------------------------------------ every name, through the Trainer
+def test_names_cover_every_class():
+    classes = {getattr(pagedopt, n) for n in pagedopt.__all__}
+    optimizers = {c for c in classes if isinstance(c, type) and issubclass(c, pagedopt.AdamBase)
+                  and c is not pagedopt.AdamBase}
+    assert sorted(pagedopt_hf.NAMES) == sorted(NAMES)
+    assert {e.cls for e in pagedopt_hf.NAMES.values()} == optimizers
+    for name in NAMES:
+        assert pagedopt_hf.NAMES[name].cls is expected_class(name)
+        assert set(pagedopt_hf.accepted_optim_args(name)) == expected_keys(name)
+
+
+CASES = ([(n, None) for n in NAMES] + [(n, "optim_bits=8") for n in VARIABLE_WIDTH]
+         + [("pagedopt_adamw_8bit", "embeddings_32bit=false"),
+            ("pagedopt_paged_adam", "optim_bits=8,embeddings_32bit=False")])
+
+
+@pytest.mark.parametrize("name,optim_args", CASES)
+def test_trainer_name(tmp_path, name, optim_args):
+    before = {k: v.clone() for k, v in tiny.make_model(SEED).state_dict().items()}
+    model, args, trainer = train(tmp_path, name, optim_args)
+    opt = inner(trainer.optimizer)
+    assert type(opt) is expected_class(name)
+    assert opt.defaults["lr"] == args.learning_rate
+    assert opt.defaults["betas"] == (args.adam_beta1, args.adam_beta2)
+    assert opt.defaults["eps"] == args.adam_epsilon
+    assert sorted({g["weight_decay"] for g in opt.param_groups}) == [0.0, args.weight_decay]
+
+    eight_bit = name.endswith("_8bit") or "optim_bits=8" in (optim_args or "")
+    emb32 = "embeddings_32bit=false" not in (optim_args or "").lower()
+    emb = model.get_input_embeddings().weight
+    n8 = 0
+    for p in model.parameters():
+        dtype = opt.state[p]["state1"].dtype
+        if p is emb:
+            assert dtype == (torch.uint8 if eight_bit and not emb32 else torch.float32), name
+        elif eight_bit and p.numel() >= 4096:  # the default min_8bit_size
+            assert dtype == torch.uint8, name
+        else:
+            assert dtype == torch.float32, name
+        n8 += dtype == torch.uint8
+    assert (n8 > 0) == eight_bit
+    # it trained: every parameter that gets a gradient moved
+    after = model.state_dict()
+    assert all(not torch.equal(before[k], after[k]) for k in before), name
+    assert os.path.isfile(os.path.join(args.output_dir, "checkpoint-2", "optimizer.pt"))
+
+
+def test_patch_free_route(tmp_path):
+    model = tiny.make_model(SEED)
+    args = TrainingArguments(**HYPER, optim_args="beta2=0.9", **tiny.run_kwargs(str(tmp_path), 2, 2, SEED))
+    cls, kwargs = pagedopt_hf.optimizer_cls_and_kwargs("pagedopt_adam_8bit", args, model)
+    trainer = Trainer(model=model, args=args, train_dataset=tiny.Tokens(DATA_SEED),
+                      optimizer_cls_and_kwargs=(cls, kwargs))
+    trainer.train()
+    opt = inner(trainer.optimizer)
+    assert type(opt) is pagedopt.Adam8bit and opt.defaults["betas"] == (args.adam_beta1, 0.9)
+    assert opt.state[model.get_input_embeddings().weight]["state1"].dtype == torch.float32
+    assert opt.state[model.get_output_embeddings().weight]["state1"].dtype == torch.uint8
+
+
+# ------------------------------------------------------------------ optim_args
+def test_optim_args_accepted():
+    opts = pagedopt_hf.parse_optim_args(
+        "pagedopt_paged_adam", " beta1=0.8, beta2=0.95,eps=1e-7,optim_bits=8,min_8bit_size=16384,embeddings_32bit=False")
+    assert opts == {"beta1": 0.8, "beta2": 0.95, "eps": 1e-7, "optim_bits": 8, "min_8bit_size": 16384,
+                    "embeddings_32bit": False}
+    assert type(opts["optim_bits"]) is int and type(opts["min_8bit_size"]) is int
+    args = TrainingArguments("unused", **HYPER, optim_args="beta1=0.8,eps=1e-6,optim_bits=8,min_8bit_size=16384")
+    cls, kwargs = pagedopt_hf.optimizer_cls_and_kwargs("pagedopt_paged_adamw", args)
+    assert cls is pagedopt.PagedAdamW
+    assert kwargs == {"lr": args.learning_rate, "betas": (0.8, args.adam_beta2), "eps": 1e-6,
+                      "weight_decay": args.weight_decay, "optim_bits": 8, "min_8bit_size": 16384}
+
+
+BAD = [
+    ("pagedopt_adamw_8bit", "lr=1e-3", "unknown key 'lr'"),
+    ("pagedopt_adamw_8bit", "optim_bits=8", "unknown key 'optim_bits'"),
+    ("pagedopt_adamw_32bit", "min_8bit_size=16", "unknown key 'min_8bit_size'"),
+    ("pagedopt_paged_adam_32bit", "embeddings_32bit=false", "unknown key 'embeddings_32bit'"),
+    ("pagedopt_adam", "beta2", "is not key=value"),
+    ("pagedopt_adam", "beta2=", "is not key=value"),
+    ("pagedopt_adam", "beta2=0.9,beta2=0.95", "given twice"),
+    ("pagedopt_adam", "beta1=abc", "not a float"),
+    ("pagedopt_adam", "eps=inf", "not a finite float"),
+    ("pagedopt_adam", "optim_bits=16", "not 8 or 32"),
+    ("pagedopt_adam", "min_8bit_size=1.5", "not an integer"),
+    ("pagedopt_adam", "embeddings_32bit=maybe", "not a boolean"),
+]
+
+
+@pytest.mark.parametrize("name,optim_args,message", BAD)
+def test_optim_args_strict(name, optim_args, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        pagedopt_hf.parse_optim_args(name, optim_args)
+    if "unknown key" in message or "key=value" in message:
+        listed = re.search(r"accepted keys for \S+: ([a-z0-9_, ]+) \(", str(err.value)).group(1)
+        assert set(listed.split(", ")) == expected_keys(name)
+
+
+def test_optim_args_strict_in_trainer(tmp_path):
+    # "beta2" alone would fail in transformers' own parser with an unpacking error; ours runs first
+    model = tiny.make_model(SEED)
+    args = TrainingArguments(optim="pagedopt_adamw_8bit", optim_args="beta2",
+                             **tiny.run_kwargs(str(tmp_path), 1, 1, SEED))
+    with pytest.raises(ValueError, match="is not key=value.*accepted keys"):
+        Trainer(model=model, args=args, train_dataset=tiny.Tokens(DATA_SEED)).create_optimizer()
+    with pytest.raises(ValueError, match="is not a pagedopt optimizer name"):
+        pagedopt_hf.optimizer_cls_and_kwargs("adamw_torch", args)
+
+
+# ------------------------------------------------------------------ README section
+def doc_section() -> str:
+    """The README's "Hugging Face Trainer" section."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    m = re.search(r"^## Hugging Face Trainer\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert m, "no '## Hugging Face Trainer' section in README.md"
+    return m.group(1)
+
+
+def test_command_line(tmp_path, monkeypatch):
+    """The section's command line, through an HfArgumentParser built after register()."""
+    (line,) = re.findall(r"```bash\n(.*?)\n```", doc_section(), re.S)
+    argv = shlex.split(line)
+    assert argv[:2] == ["python", "train.py"]
+    monkeypatch.chdir(tmp_path)
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(args=argv[2:] + ["--use_cpu"])
+    assert args.optim is transformers.training_args.OptimizerNames(argv[argv.index("--optim") + 1])
+    given = dict(kv.split("=") for kv in argv[argv.index("--optim_args") + 1].split(","))
+    model = tiny.make_model(SEED)
+    opt = inner(Trainer(model=model, args=args, train_dataset=tiny.Tokens(DATA_SEED)).create_optimizer())
+    assert type(opt) is expected_class(args.optim.value)
+    assert opt.defaults["min_8bit_size"] == int(given["min_8bit_size"])
+    assert opt.defaults["betas"] == (args.adam_beta1, float(given["beta2"]))
+
+
+def test_readme_snippets(tmp_path, monkeypatch):
+    """Every python block of the section, in order, in one namespace (given model and train_dataset)."""
+    blocks = re.findall(r"```python\n(.*?)```", doc_section(), re.S)
+    assert len(blocks) >= 2
+    monkeypatch.chdir(tmp_path)
+    ns = {"model": tiny.make_model(SEED), "train_dataset": tiny.Tokens(DATA_SEED)}
+    for block in blocks:
+        exec(compile(block, "README: Hugging Face Trainer", "exec"), ns)
+    assert isinstance(ns["args"], TrainingArguments)
+
+
+# ------------------------------------------------------------------ resume in a new process
+RESUME = [("pagedopt_paged_adamw_8bit", None), ("pagedopt_adam", "optim_bits=8,min_8bit_size=2048,beta1=0.8"),
+          ("pagedopt_adamw_32bit", None)]
+STEPS, AT = 6, 3
+OTHER_SEED = 12345  # the resumed process starts from another initialisation: only the checkpoint can undo it
+
+CHILD = textwrap.dedent("""
+    import json, os, sys
+    cfg = json.loads(sys.argv[1])
+    sys.path.insert(0, cfg["tests_dir"])
+    import torch
+    import _hf_tiny as tiny
+    from transformers import Trainer
+    from transformers.training_args import OptimizerNames
+    out = {"pagedopt_imported_first": "pagedopt" in sys.modules}
+    for case in cfg["cases"]:
+        # no register(), no import of pagedopt: unpickling the OptimizerNames member must do it
+        args = torch.load(os.path.join(case["checkpoint"], "training_args.bin"), weights_only=False)
+        r = {"optim": [type(args.optim).__name__, args.optim.value, args.optim is OptimizerNames(case["name"])],
+             "optim_args": args.optim_args}
+        args.output_dir = case["resume_dir"]
+        model = tiny.make_model(cfg["other_seed"])
+        counter = tiny.CountSteps()
+        trainer = Trainer(model=model, args=args, train_dataset=tiny.Tokens(cfg["data_seed"]), callbacks=[counter])
+        trainer.train(resume_from_checkpoint=case["checkpoint"])
+        opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        r.update(steps=counter.steps, global_step=trainer.state.global_step, cls=type(opt).__name__)
+        torch.save(model.state_dict(), case["result"])
+        out[case["name"]] = r
+    with open(cfg["report"], "w") as f:
+        json.dump(out, f)
+""")
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    cases, uninterrupted = [], {}
+    for name, optim_args in RESUME:
+        d = root / name
+        model = tiny.make_model(SEED)
+        args = TrainingArguments(optim=name, optim_args=optim_args, **HYPER,
+                                 **tiny.run_kwargs(str(d / "run"), STEPS, AT, SEED))
+        Trainer(model=model, args=args, train_dataset=tiny.Tokens(DATA_SEED)).train()
+        uninterrupted[name] = {k: v.clone() for k, v in model.state_dict().items()}
+        cases.append({"name": name, "checkpoint": str(d / "run" / f"checkpoint-{AT}"),
+                      "resume_dir": str(d / "resumed"), "result": str(d / "resumed.pt")})
+    cfg = {"tests_dir": TESTS_DIR, "cases": cases, "other_seed": OTHER_SEED, "data_seed": DATA_SEED,
+           "report": str(root / "report.json")}
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(cfg["report"]) as f:
+        report = json.load(f)
+    return report, cases, uninterrupted
+
+
+def test_training_args_bin_loads_in_fresh_process(resumed):
+    report, cases, _ = resumed
+    assert report["pagedopt_imported_first"] is False
+    for (name, optim_args), case in zip(RESUME, cases):
+        assert report[name]["optim"] == ["OptimizerNames", name, True]
+        assert report[name]["optim_args"] == optim_args
+
+
+@pytest.mark.parametrize("name", [n for n, _ in RESUME])
+def test_resume_in_new_process_is_exact(resumed, name):
+    report, cases, uninterrupted = resumed
+    case = next(c for c in cases if c["name"] == name)
+    r = report[name]
+    assert r["cls"] == expected_class(name).__name__
+    assert (r["steps"], r["global_step"]) == (STEPS - AT, STEPS)
+    final = torch.load(case["result"], weights_only=True)
+    want = uninterrupted[name]
+    assert final.keys() == want.keys()
+    # bit for bit: same data order, same RNG states, same optimizer states (all restored from the
+    # checkpoint), the same deterministic CPU kernels -- no tolerance
+    different = [k for k in want if not torch.equal(final[k], want[k])]
+    assert not different, f"{name}: resumed weights differ from the uninterrupted run's in {different}"
+    # and that equality is not trivial: the weights moved after the checkpoint, and the resumed
+    # process started from other weights
+    from safetensors.torch import load_file
+
+    at_checkpoint = load_file(os.path.join(case["checkpoint"], "model.safetensors"))
+    assert all(not torch.equal(at_checkpoint[k], want[k]) for k in at_checkpoint)
+    other = tiny.make_model(OTHER_SEED).state_dict()
+    assert all(not torch.equal(other[k], at_checkpoint[k]) for k in at_checkpoint)
