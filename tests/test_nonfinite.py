@@ -342,9 +342,10 @@ def test_cuda_step_with_bad_gradients_matches_cpu(seed, sizes, dtype, h, n_bad, 
     code1, code2 = dynamic_codebook(True), dynamic_codebook(False)
     cpu = []
     for n in sizes:
-        s = populated_state(n + offset, dtype, gen)
+        s = populated_state(n, dtype, gen)
         if offset:  # views one element in: the kernel's scalar (unaligned) path
-            s = {k: (v[offset:] if k in ("p", "g", "q1", "q2") else v) for k, v in s.items()}
+            s = {k: (v.new_empty(n + offset)[offset:].copy_(v) if k in ("p", "g", "q1", "q2") else v)
+                 for k, v in s.items()}
         cpu.append(s)
     for s in cpu:
         n = s["p"].numel()
