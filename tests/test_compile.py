@@ -233,11 +233,6 @@ def test_opcheck_cuda_ops():
     _opcheck_state_list("cuda")
     args = ([1000, 3], torch.float32, torch.device("cuda"))
     torch.library.opcheck(torch.ops.pagedopt.managed_empty, args)
-    t = torch.ops.pagedopt.managed_empty(*args)
-    # The paging ops refuse ordinary memory by design, and opcheck's schema and autograd tests run
-    # them on copies of the inputs in ordinary memory: check their fakes only.
-    fake_only = ("test_faketensor",)
-    torch.library.opcheck(torch.ops.pagedopt.prefetch_, (t, torch.device("cuda")), test_utils=fake_only)
-    torch.library.opcheck(torch.ops.pagedopt.prefetch_, (t, None), test_utils=fake_only)
-    torch.library.opcheck(torch.ops.pagedopt.advise_preferred_location_, (t, torch.device("cuda")),
-                          test_utils=fake_only)
+    # prefetch_ and advise_preferred_location_ are not opchecked: every opcheck test (the fake one
+    # too) runs the op on copies of its inputs in ordinary memory, which these ops refuse by design
+    # (seen on the H200); their fakes are plain no-ops in pagedopt/_ops.py.
