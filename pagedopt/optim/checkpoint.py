@@ -135,12 +135,11 @@ def read_param_state(saved: Any, p: torch.Tensor, where: str) -> dict:
     if any(k in state for k in TORCH_MOMENT_KEYS):
         if any(k in state for k in MOMENT_KEYS):
             raise _refuse(f"{where} mixes torch keys ('exp_avg') with pagedopt keys ('state1')")
+        # torch keeps the moments in the parameter's dtype; they become float32 here
+        floats = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                  for k, v in state.items() if k in TORCH_MOMENT_KEYS}
         for k in TORCH_MOMENT_KEYS:
-            t = state.get(k)
-            if isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float16, torch.bfloat16,
-                                                           torch.float64):
-                t = t.float() if t.dtype != torch.float32 else t
-            out[k] = _tensor({k: t} if k in state else {}, k, where, torch.float32, p.shape)
+            out[k] = _tensor(floats, k, where, torch.float32, p.shape)
         return out
     if "state1" not in state:
         raise _refuse(f"{where} has no 'state1' (nor torch's 'exp_avg')")
