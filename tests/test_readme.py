@@ -1,0 +1,92 @@
+"""Every python snippet of README.md runs, as a user would paste it, and does what the text around
+it says. (The Hugging Face Trainer section has its own test, tests/test_transformers_trainer.py.)"""
+import os
+import re
+
+import pytest
+import torch
+
+import pagedopt
+from pagedopt.quant import dequantize_blockwise_reference
+
+from reference import quantization_error_bound
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sections() -> dict[str, list[str]]:
+    """{section title: [python snippets]} of README.md."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    out = {}
+    for m in re.finditer(r"^## (.+?)\n(.*?)(?=^## |\Z)", text, re.S | re.M):
+        blocks = re.findall(r"```python\n(.*?)```", m.group(2), re.S)
+        if blocks:
+            out[m.group(1).strip()] = blocks
+    return out
+
+
+def make_model():
+    torch.manual_seed(0)
+    # 64*128 = 8192 weights >= min_8bit_size (8-bit states); biases below it (32-bit states)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+
+
+def train(model, opt, steps=3):
+    for i in range(steps):
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(i))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+@pytest.fixture(autouse=True)
+def fresh_manager(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    pagedopt.GlobalOptimManager.get_instance().initialize()
+    yield
+    pagedopt.GlobalOptimManager.get_instance().initialize()
+
+
+def test_the_sections_with_snippets_are_the_expected_ones():
+    assert {"Use", "Checkpoints"} <= set(sections())
+
+
+def test_use_snippet():
+    model = make_model()
+    ns = {"model": model}
+    for block in sections()["Use"]:
+        exec(block, ns)
+    assert type(ns["opt"]) is pagedopt.AdamW
+    train(model, ns["opt"])
+    assert ns["opt"].state[model[0].weight]["state1"].dtype == torch.uint8  # optim_bits=8
+
+
+def test_checkpoint_snippet():
+    model = make_model()
+    (block,) = sections()["Checkpoints"]
+    assert "# ... train ...\n" in block
+    ns = {"model": model, "train": train}
+    exec(block.replace("# ... train ...\n", "train(model, opt)\n"), ns)
+    opt, torch_opt, opt8 = ns["opt"], ns["torch_opt"], ns["opt8"]
+    saved = torch.load("optimizer.pt", weights_only=True)["state"]
+    params = list(model.parameters())
+    for i, p in enumerate(params):  # the reloaded optimizer holds exactly what was saved
+        for k, v in saved[i].items():
+            assert torch.equal(opt.state[p][k].cpu(), v.cpu()), k
+    w = model[0].weight
+    for i, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
+        s = opt.state[w]
+        # to_torch_state_dict dequantizes exactly as the reference does: code[q] * absmax, in fp32
+        expected = dequantize_blockwise_reference(s[f"state{i}"], s[f"absmax{i}"], s[f"qmap{i}"])
+        assert torch.equal(torch_opt.state[w][key], expected.reshape(w.shape))
+        # and the 8-bit optimizer requantizes torch's moments: within one rounding of the codebook
+        s8 = opt8.state[w]
+        back = dequantize_blockwise_reference(s8[f"state{i}"], s8[f"absmax{i}"], s8[f"qmap{i}"]).reshape(-1)
+        x = torch_opt.state[w][key].reshape(-1)
+        assert ((back - x).abs() <= quantization_error_bound(x, s8[f"absmax{i}"], s8[f"qmap{i}"])).all()
+    # the module override gives model[0].weight 32-bit states in an optimizer built afterwards
+    later = pagedopt.AdamW8bit(model.parameters())
+    train(model, later, steps=1)
+    assert later.state[w]["state1"].dtype == torch.float32
+    assert later.state[model[2].weight]["state1"].dtype == torch.uint8
