@@ -49,7 +49,7 @@ def fresh_manager(tmp_path, monkeypatch):
 
 
 def test_the_sections_with_snippets_are_the_expected_ones():
-    assert {"Use", "Checkpoints"} <= set(sections())
+    assert {"Use", "Checkpoints", "Memory: what fits"} <= set(sections())
 
 
 def test_use_snippet():
@@ -90,3 +90,19 @@ def test_checkpoint_snippet():
     train(model, later, steps=1)
     assert later.state[w]["state1"].dtype == torch.float32
     assert later.state[model[2].weight]["state1"].dtype == torch.uint8
+
+
+def test_memory_callback_snippet(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+
+    import _hf_tiny
+
+    (block,) = sections()["Memory: what fits"]
+    steps = 100  # two reports at every_n_steps=50
+    args = TrainingArguments(**{**_hf_tiny.run_kwargs(str(tmp_path / "out"), steps, steps, 0),
+                                "save_strategy": "no", "optim": "adamw_torch"})
+    ns = {"model": _hf_tiny.make_model(0), "args": args, "ds": _hf_tiny.Tokens(0)}
+    exec(block, ns)
+    entries = [h for h in ns["trainer"].state.log_history if "mem/allocated_gib" in h]
+    assert [h["step"] for h in entries] == [50, 100]

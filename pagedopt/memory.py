@@ -1,0 +1,659 @@
+"""What fits: GPU memory of a training run (weights + gradients + optimizer states + activations).
+
+Command line (``python -m pagedopt.memory`` or ``pagedopt-mem``)::
+
+    pagedopt-mem --config path/to/config.json --optimizer paged_adamw_8bit --gpu 24
+    pagedopt-mem --config llama3-8b --lora 16 --gradient-checkpointing --batch 4 --seq 2048 --gpu H200
+    pagedopt-mem --params 7e9 --weights bf16 --optimizer adamw_torch --gpu A100-80
+
+prints a table in GiB and says whether the run fits on the GPU, and the largest batch that does.
+
+What is exact and what is not
+-----------------------------
+* **Exact** (equal, byte for byte, to what a real model and optimizer hold; tests/test_memory.py
+  checks it against a real model): the parameter count, the weight and gradient bytes and the
+  optimizer-state bytes, once the model is given by a ``config.json`` (or a preset name). With
+  transformers installed the model is built on the meta device (no memory, no download) and every
+  parameter tensor is counted; without it a formula for Llama-like decoders gives the same tensors
+  (embeddings, attention q/k/v/o with ``num_key_value_heads``, gated MLP, RMSNorms, ``lm_head``
+  unless ``tie_word_embeddings``; the q/k/v biases of Qwen2, the q/k norms of Qwen3).
+  Optimizer states, per parameter tensor (``pagedopt.optim.base._init_state``):
+
+  - pagedopt 8-bit, ``numel >= min_8bit_size``: ``2*numel`` (uint8 codes of m and v)
+    ``+ 8*ceil(numel/256)`` (two fp32 absmax per 256-element block) ``+ 4`` (fp32 ``step``);
+  - pagedopt 32-bit, or below ``min_8bit_size``: ``8*numel + 4``;
+  - ``torch.optim.AdamW``: ``2*numel*sizeof(param dtype) + 4`` (``exp_avg``/``exp_avg_sq`` take the
+    parameter's dtype: bf16 weights get bf16 states).
+
+  With ``--params N`` alone the per-tensor shapes are unknown and every tensor is taken as large
+  (8-bit): then the state figure is approximate.
+* **Estimate**: activations. Per transformer layer, in bytes, for 16-bit activations (Korthikanti
+  et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. (1), no tensor
+  parallelism)::
+
+      s*b*h*(34 + 5*a*s/h)
+
+  s sequence length, b batch, h hidden size, a attention heads. The ``5*a*s/h`` term is the
+  s x s attention scores, softmax and dropout; PyTorch SDPA / FlashAttention (transformers'
+  default ``attn_implementation="sdpa"``) never store them, so it is dropped unless
+  ``--attention eager``. With gradient checkpointing (transformers checkpoints each decoder layer)
+  a layer keeps only its 16-bit input, ``2*s*b*h`` (the paper's full recomputation), and one layer's
+  full activations exist again while it is recomputed in the backward pass. The output layer adds
+  ``s*b*V*(2 + 4 + 4)`` bytes (V the vocabulary): the 16-bit logits, their fp32 copy for the loss
+  (the paper's ``4*s*b*V``) and the fp32 log-softmax that cross-entropy keeps for its backward.
+  The formula was derived for GPT (4h GeLU MLP, LayerNorm, dropout), not for Llama's gated MLP
+  and GQA; it is a guide, not a measurement: leave a margin, and measure with
+  :func:`memory_report` / :class:`pagedopt.integrations.callbacks.MemoryReportCallback`.
+* **Constants**: ``CUDA_CONTEXT_BYTES`` for the CUDA context, kernels and cuBLAS workspace that a
+  process holds outside torch's allocator; the allocator's fragmentation is not counted.
+
+Paged optimizers (``paged_adamw_8bit``, ``paged_adamw_32bit``) keep their states in CUDA unified
+memory: after ``page_out()`` (or when the driver evicts them under memory pressure) they live in
+host memory during forward and backward, so they count 0 on the GPU there and their bytes appear
+under host; during ``step()`` they stream back in 64 MiB chunks.
+
+Plain loops and the Trainer: :func:`memory_report` and :func:`log_memory` here,
+``pagedopt.integrations.callbacks.MemoryReportCallback`` for the Hugging Face Trainer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+GIB = 1 << 30
+BLOCK = 256  # elements per absmax block (pagedopt.quant.STATE_BLOCK_SIZE)
+STEP_BYTES = 4  # the fp32 scalar ``step`` of every parameter's state (pagedopt and torch alike)
+# CUDA context + loaded kernels + cuBLAS/cuDNN workspaces held outside torch's caching allocator:
+# a few hundred MiB with CUDA 12 lazy module loading (torch's default); measured as
+# nvidia-smi's process memory minus torch.cuda.memory_reserved(). A round, conservative figure.
+CUDA_CONTEXT_BYTES = 768 << 20
+# pagedopt pages states in and out in chunks of about this many bytes (base._PAGED_CHUNK_BYTES).
+PAGED_CHUNK_BYTES = 64 << 20
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# GPU capacities in GiB, nominal (as marketed: 24 GB cards hold 24 GiB); the usable amount is a
+# little smaller (the driver keeps some, ECC on some cards).
+GPUS = {
+    "T4": 16, "V100-16": 16, "V100-32": 32, "V100": 32, "A10": 24, "A10G": 24, "L4": 24, "L40S": 48,
+    "RTX3090": 24, "RTX4090": 24, "RTX5090": 32, "RTXA6000": 48, "A6000": 48,
+    "A100-40": 40, "A100-80": 80, "A100": 80, "H100-80": 80, "H100": 80, "H100-94": 94, "H200": 141,
+    "B200": 180, "MI300X": 192,
+}
+
+# Optimizer kinds: (label, state width or None for torch, paged).
+OPTIMIZERS = {
+    "adamw_torch": ("torch.optim.AdamW", None, False),
+    "adamw_8bit": ("pagedopt.AdamW8bit", 8, False),
+    "paged_adamw_8bit": ("pagedopt.PagedAdamW8bit", 8, True),
+    "adamw_32bit": ("pagedopt.AdamW32bit", 32, False),
+    "paged_adamw_32bit": ("pagedopt.PagedAdamW32bit", 32, True),
+}
+_ALIASES = {"adamw": "adamw_torch", "torch": "adamw_torch", "adam_torch": "adamw_torch", "adamw_torch_fused": "adamw_torch",
+            "adam_8bit": "adamw_8bit", "paged_adam_8bit": "paged_adamw_8bit", "adam_32bit": "adamw_32bit",
+            "paged_adam_32bit": "paged_adamw_32bit"}
+
+# Llama-like presets for --config NAME (published config.json values).
+PRESETS = {
+    "llama3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "llama3.2-3b": dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                        num_attention_heads=24, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "llama2-7b": dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False),
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False),
+    "llama2-13b": dict(model_type="llama", hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                       num_attention_heads=40, num_key_value_heads=40, vocab_size=32000, tie_word_embeddings=False),
+    "llama3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+}
+
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+# Defaults of tie_word_embeddings per model type where a config.json leaves it out.
+_TIE_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True, "gemma": True}
+
+
+# ------------------------------------------------------------------------------------------------
+# the model's parameter tensors
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Tensor:
+    """One parameter tensor: its name, numel, whether it belongs to an nn.Embedding, and for an
+    nn.Linear its (in_features, out_features) (what a LoRA adapter on it adds)."""
+
+    name: str
+    numel: int
+    embedding: bool = False
+    linear: Optional[tuple[int, int]] = None
+
+
+@dataclass
+class Arch:
+    """What the activation estimate needs."""
+
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+
+
+@dataclass
+class Model:
+    tensors: list[Tensor]
+    arch: Optional[Arch]
+    source: str   # how the tensors were obtained
+    exact: bool   # per-tensor shapes known
+
+    @property
+    def n_params(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+
+def load_config(config) -> dict:
+    """A config dict from a path (config.json or a directory holding one), a preset name, a dict or
+    a transformers PretrainedConfig. A multimodal config's ``text_config`` is used if it has one."""
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    elif isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if path.lower() in PRESETS:
+            config = dict(PRESETS[path.lower()])
+        else:
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{config!r} is neither a config.json, a directory with one, nor a preset "
+                                        f"({', '.join(PRESETS)})")
+            with open(path) as f:
+                config = json.load(f)
+    config = dict(config)
+    if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
+        config = dict(config["text_config"])
+    return config
+
+
+def _arch(cfg: dict) -> Arch:
+    return Arch(hidden=int(cfg["hidden_size"]), layers=int(cfg["num_hidden_layers"]),
+                heads=int(cfg["num_attention_heads"]), vocab=int(cfg["vocab_size"]))
+
+
+def tensors_from_formula(config) -> Model:
+    """The parameter tensors of a Llama-like decoder (llama, mistral, qwen2, qwen3 and the like)
+    from its config, without transformers: embeddings V*h; per layer q (h -> a*d), k and v
+    (h -> kv*d, kv = num_key_value_heads), o (a*d -> h), gate/up (h -> I), down (I -> h), two
+    RMSNorms (h); a final norm (h); lm_head (h -> V) unless tie_word_embeddings. d = head_dim or
+    h/a. Biases: attention_bias (q, k, v, o) and mlp_bias as in Llama; Qwen2 has q/k/v biases;
+    Qwen3 adds RMSNorms of q and k (d each)."""
+    cfg = load_config(config)
+    mt = cfg.get("model_type", "llama")
+    h, L, a, V = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"]), int(cfg["vocab_size"])
+    kv = int(cfg.get("num_key_value_heads") or a)
+    d = int(cfg.get("head_dim") or h // a)
+    inter = int(cfg["intermediate_size"])
+    attn_bias = bool(cfg.get("attention_bias", False))
+    qkv_bias = attn_bias or mt == "qwen2"
+    o_bias = attn_bias and mt != "qwen2"
+    mlp_bias = bool(cfg.get("mlp_bias", False))
+    tie = bool(cfg.get("tie_word_embeddings", _TIE_DEFAULT.get(mt, False)))
+
+    out = [Tensor("model.embed_tokens.weight", V * h, embedding=True)]
+
+    def linear(name, fin, fout, bias):
+        out.append(Tensor(f"{name}.weight", fin * fout, linear=(fin, fout)))
+        if bias:
+            out.append(Tensor(f"{name}.bias", fout))
+
+    for i in range(L):
+        p = f"model.layers.{i}"
+        linear(f"{p}.self_attn.q_proj", h, a * d, qkv_bias)
+        linear(f"{p}.self_attn.k_proj", h, kv * d, qkv_bias)
+        linear(f"{p}.self_attn.v_proj", h, kv * d, qkv_bias)
+        linear(f"{p}.self_attn.o_proj", a * d, h, o_bias)
+        if mt == "qwen3":
+            out += [Tensor(f"{p}.self_attn.q_norm.weight", d), Tensor(f"{p}.self_attn.k_norm.weight", d)]
+        linear(f"{p}.mlp.gate_proj", h, inter, mlp_bias)
+        linear(f"{p}.mlp.up_proj", h, inter, mlp_bias)
+        linear(f"{p}.mlp.down_proj", inter, h, mlp_bias)
+        out += [Tensor(f"{p}.input_layernorm.weight", h), Tensor(f"{p}.post_attention_layernorm.weight", h)]
+    out.append(Tensor("model.norm.weight", h))
+    if not tie:
+        out.append(Tensor("lm_head.weight", V * h, linear=(h, V)))
+    return Model(out, _arch(cfg), f"formula ({mt})", exact=True)
+
+
+def tensors_from_module(model) -> list[Tensor]:
+    """The parameter tensors of an nn.Module (shared ones once, as model.parameters() gives them)."""
+    import torch
+
+    kind: dict[int, tuple[bool, Optional[tuple[int, int]]]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if isinstance(module, torch.nn.Embedding):
+                kind[id(p)] = (True, None)
+            elif isinstance(module, torch.nn.Linear) and p is module.weight:
+                kind.setdefault(id(p), (False, (module.in_features, module.out_features)))
+    return [Tensor(n, p.numel(), *kind.get(id(p), (False, None))) for n, p in model.named_parameters()]
+
+
+def tensors_from_transformers(config) -> Model:
+    """Build the model of ``config`` on the meta device with transformers (no memory, no download)
+    and take its tensors. Raises ImportError without transformers."""
+    import torch
+    import transformers
+
+    cfg = load_config(config)
+    d = {k: v for k, v in cfg.items() if k != "model_type"}
+    hf_config = transformers.AutoConfig.for_model(cfg.get("model_type", "llama"), **d)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    arch = None
+    try:
+        arch = Arch(hidden=text.hidden_size, layers=text.num_hidden_layers, heads=text.num_attention_heads,
+                    vocab=text.vocab_size)
+    except AttributeError:
+        pass
+    return Model(tensors_from_module(model), arch, f"transformers {transformers.__version__} meta-device model "
+                 f"({type(model).__name__})", exact=True)
+
+
+def model_from_config(config, use_transformers: bool = True) -> Model:
+    """The tensors of ``config``: from a transformers meta-device model when transformers is
+    installed (and knows the model), else from the Llama formula."""
+    if use_transformers:
+        try:
+            return tensors_from_transformers(config)
+        except ImportError:
+            pass
+        except Exception as e:  # an unknown model_type, remote code, ...: the formula may still know it
+            try:
+                m = tensors_from_formula(config)
+            except Exception:
+                raise e from None
+            m.source += f"; transformers could not build it ({type(e).__name__}: {e})"
+            return m
+    return tensors_from_formula(config)
+
+
+def model_from_params(n_params: float) -> Model:
+    """A model known only by its parameter count: one large tensor (every state taken as 8-bit),
+    with the activation shape of the nearest preset."""
+    n = int(round(float(n_params)))
+    best = min(PRESETS, key=lambda k: abs(math.log(tensors_from_formula(PRESETS[k]).n_params / max(n, 1))))
+    m = Model([Tensor("all parameters", n, linear=None)], _arch(PRESETS[best]),
+              f"--params (shapes unknown; activations as for {best})", exact=False)
+    m.preset = best  # type: ignore[attr-defined]
+    return m
+
+
+# ------------------------------------------------------------------------------------------------
+# bytes
+# ------------------------------------------------------------------------------------------------
+def normalize_optimizer(name: str) -> str:
+    n = name.lower().replace("-", "_")
+    for prefix in ("pagedopt_", "pagedopt."):
+        if n.startswith(prefix):
+            n = n[len(prefix):]
+    n = _ALIASES.get(n, n)
+    if n not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
+    return n
+
+
+def state_bytes_of_tensor(numel: int, optimizer: str, param_bytes: int, min_8bit_size: int = 4096,
+                          embedding: bool = False, embeddings_32bit: bool = False) -> tuple[int, bool]:
+    """(state bytes, 8-bit?) of one parameter tensor of ``numel`` elements (see the module docstring)."""
+    label, bits, _ = OPTIMIZERS[normalize_optimizer(optimizer)]
+    if bits is None:  # torch.optim.AdamW: exp_avg, exp_avg_sq like the parameter, fp32 step
+        return 2 * numel * param_bytes + STEP_BYTES, False
+    if bits == 8 and numel >= min_8bit_size and not (embedding and embeddings_32bit):
+        return 2 * numel + 2 * 4 * ((numel + BLOCK - 1) // BLOCK) + STEP_BYTES, True
+    return 8 * numel + STEP_BYTES, False
+
+
+def lora_tensors(model: Model, rank: int, mlp: bool = False) -> list[Tensor]:
+    """The LoRA adapters of rank ``rank`` on the attention projections q, k, v, o (and, with
+    ``mlp``, gate, up, down): per adapted nn.Linear (in -> out), A (rank x in) and B (out x rank),
+    r*(in+out) parameters."""
+    targets = ATTENTION_TARGETS + (MLP_TARGETS if mlp else ())
+    out = []
+    for t in model.tensors:
+        if t.linear is None:
+            continue
+        module = t.name.rsplit(".", 2)[-2] if t.name.count(".") >= 1 else t.name
+        if module in targets:
+            fin, fout = t.linear
+            base = t.name[: -len(".weight")]
+            out += [Tensor(f"{base}.lora_A.weight", rank * fin), Tensor(f"{base}.lora_B.weight", fout * rank)]
+    if not out:
+        raise ValueError("LoRA needs the model's linear layers: give --config (a config.json or preset), not --params")
+    return out
+
+
+def activation_bytes(arch: Arch, batch: int, seq: int, checkpointing: bool, attention: str = "sdpa",
+                     act_bytes: int = 2) -> int:
+    """ESTIMATE of the activation memory of one forward/backward (see the module docstring)."""
+    s, b, h, a, L, V = seq, batch, arch.hidden, arch.heads, arch.layers, arch.vocab
+    scale = act_bytes / 2  # the formula counts 16-bit activations (and 1-byte dropout masks)
+    # Korthikanti et al. 2022, eq. (1): s*b*h*(34 + 5*a*s/h) = 34*s*b*h + 5*a*s^2*b per layer.
+    per_layer = 34 * s * b * h + (5 * a * s * s * b if attention == "eager" else 0)
+    if checkpointing:
+        layers = L * 2 * s * b * h + per_layer  # kept layer inputs + the layer being recomputed
+    else:
+        layers = L * per_layer
+    logits = s * b * V * (act_bytes + 4 + 4)
+    return int(layers * scale + logits)
+
+
+@dataclass
+class Estimate:
+    """Bytes of one training configuration. ``state_bytes`` = ``states_gpu + states_host``."""
+
+    model: Model
+    optimizer: str
+    weights_dtype: str
+    n_params: int
+    n_trainable: int
+    weights: int
+    gradients: int
+    state_bytes: int
+    states_gpu: int
+    states_host: int
+    params_8bit: int
+    activations: Optional[int]
+    step_temporaries: int
+    context: int
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def forward_backward(self) -> int:
+        """Peak during forward/backward: weights, gradients, GPU-resident states, activations, context."""
+        return self.context + self.weights + self.gradients + self.states_gpu + (self.activations or 0)
+
+    @property
+    def optimizer_step(self) -> int:
+        """Peak during step(): activations freed; states (paged ones stream in chunks) and the
+        step's temporaries."""
+        states = self.states_gpu if not OPTIMIZERS[self.optimizer][2] else min(self.states_host, PAGED_CHUNK_BYTES * 2)
+        return self.context + self.weights + self.gradients + states + self.step_temporaries
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward_backward, self.optimizer_step)
+
+    def max_batch(self, capacity_bytes: int) -> int:
+        """The largest batch (at this sequence length) whose peak fits in ``capacity_bytes`` (0: none)."""
+        if self.activations is None or self.settings.get("batch", 0) <= 0:
+            return 0
+        if self.optimizer_step > capacity_bytes:
+            return 0
+        per_sample = self.activations / self.settings["batch"]  # every term is linear in the batch
+        fixed = self.forward_backward - self.activations
+        return max(0, int((capacity_bytes - fixed) // per_sample)) if per_sample > 0 else 0
+
+
+def estimate(model: Model, optimizer: str = "adamw_8bit", weights: str = "bf16", lora_rank: int = 0,
+             lora_mlp: bool = False, lora_dtype: str = "fp32", batch: int = 1, seq: int = 2048,
+             gradient_checkpointing: bool = False, attention: str = "sdpa", min_8bit_size: int = 4096,
+             embeddings_32bit: bool = False, act_dtype: Optional[str] = None,
+             context_bytes: int = CUDA_CONTEXT_BYTES) -> Estimate:
+    """Memory of training ``model`` (from :func:`model_from_config` or :func:`model_from_params`).
+
+    weights: the dtype the parameters are kept in (fp32, bf16, fp16); gradients take it too.
+    LoRA (``lora_rank > 0``): the base weights are frozen (no gradients, no states); the adapters
+    are trainable, in ``lora_dtype`` (fp32: PEFT's default ``autocast_adapter_dtype=True``).
+    act_dtype: of the activations (default: 16-bit unless the weights are fp32; pass bf16 for fp32
+    weights under autocast). ``embeddings_32bit``: embeddings keep 32-bit states, as
+    ``pagedopt.integrations.transformers`` does by default in the Trainer.
+    """
+    opt = normalize_optimizer(optimizer)
+    _, bits, paged = OPTIMIZERS[opt]
+    wb = DTYPE_BYTES[weights]
+    n_params = model.n_params
+    weight_bytes = n_params * wb
+    if lora_rank > 0:
+        trainable = lora_tensors(model, lora_rank, lora_mlp)
+        tb = DTYPE_BYTES[lora_dtype]
+        weight_bytes += sum(t.numel for t in trainable) * tb
+    else:
+        trainable, tb = model.tensors, wb
+    n_trainable = sum(t.numel for t in trainable)
+    grads = n_trainable * tb
+    states, params_8bit, upcast = 0, 0, 0
+    for t in trainable:
+        sb, eight = state_bytes_of_tensor(t.numel, opt, tb, min_8bit_size, t.embedding, embeddings_32bit)
+        states += sb
+        if eight:
+            params_8bit += t.numel
+        elif bits == 32 or bits == 8:
+            upcast += t.numel  # pagedopt's 32-bit path
+    # step temporaries: torch's foreach AdamW (its CUDA default) makes one state-sized list
+    # (sqrt(exp_avg_sq)); pagedopt's 32-bit path upcasts 16-bit params and grads of a whole bucket to
+    # fp32 (base._step_32bit: 8 bytes per param with 32-bit states; per 64 MiB chunk only when the
+    # pager believes paged states are out, which it does not after a driver eviction, so counted whole).
+    if bits is None:
+        temps = n_trainable * tb
+    else:
+        temps = upcast * 8 if tb != 4 else 0
+    act = None
+    if model.arch is not None:
+        ab = DTYPE_BYTES[act_dtype] if act_dtype else (4 if weights == "fp32" else 2)
+        act = activation_bytes(model.arch, batch, seq, gradient_checkpointing, attention, ab)
+    return Estimate(model=model, optimizer=opt, weights_dtype=weights, n_params=n_params, n_trainable=n_trainable,
+                    weights=weight_bytes, gradients=grads, state_bytes=states,
+                    states_gpu=0 if paged else states, states_host=states if paged else 0, params_8bit=params_8bit,
+                    activations=act, step_temporaries=temps, context=context_bytes,
+                    settings=dict(batch=batch, seq=seq, gradient_checkpointing=gradient_checkpointing,
+                                  attention=attention, lora_rank=lora_rank, lora_mlp=lora_mlp,
+                                  min_8bit_size=min_8bit_size, embeddings_32bit=embeddings_32bit, act_dtype=act_dtype))
+
+
+def gpu_capacity(gpu) -> tuple[str, float]:
+    """(label, GiB) from a number of GiB or a name of the GPUS table (case and '-'/'_' ignored)."""
+    try:
+        gib = float(gpu)
+        return f"{gib:g} GiB GPU", gib
+    except (TypeError, ValueError):
+        pass
+    key = str(gpu).upper().replace("_", "-").replace(" ", "")
+    table = {k.upper(): (k, v) for k, v in GPUS.items()}
+    table.update({k.upper().replace("-", ""): (k, v) for k, v in GPUS.items()})
+    if key in table or key.replace("-", "") in table:
+        name, gib = table.get(key) or table[key.replace("-", "")]
+        return f"{name} ({gib:g} GiB)", float(gib)
+    raise ValueError(f"unknown GPU {gpu!r}: give GiB (e.g. 24) or one of {', '.join(GPUS)}")
+
+
+# ------------------------------------------------------------------------------------------------
+# the report
+# ------------------------------------------------------------------------------------------------
+def _g(nbytes: Optional[int]) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / GIB:9.2f}"
+
+
+def format_estimate(e: Estimate, gpu=None, compare: bool = True) -> str:
+    s = e.settings
+    mode = (f"LoRA r={s['lora_rank']} on q,k,v,o{',gate,up,down' if s['lora_mlp'] else ''}" if s["lora_rank"]
+            else "full fine-tuning")
+    label, bits, paged = OPTIMIZERS[e.optimizer]
+    lines = [f"model: {e.n_params:,} parameters ({e.model.source}); trainable: {e.n_trainable:,}",
+             f"{mode}; weights {e.weights_dtype}; optimizer {e.optimizer} ({label}"
+             + (f", min_8bit_size={s['min_8bit_size']}" if bits == 8 else "") + ")"
+             + f"; batch {s['batch']} x seq {s['seq']}; gradient checkpointing {'on' if s['gradient_checkpointing'] else 'off'}"
+             + f"; attention {s['attention']}", ""]
+    if bits == 8:
+        states_note = (f"8-bit for {e.params_8bit:,} of {e.n_trainable:,} trainable params"
+                       + ("" if e.model.exact else " (approximate: shapes unknown)"))
+    elif bits == 32:
+        states_note = "fp32 m and v: 8 bytes/param"
+    else:
+        states_note = f"exp_avg, exp_avg_sq in the params' dtype"
+    rows = [("weights", e.weights, 0, ""),
+            ("gradients", e.gradients, 0, "trainable params only"),
+            ("optimizer states" + (" (paged)" if paged else ""), e.states_gpu, e.states_host,
+             states_note + ("; on host during fwd/bwd" if paged else "")),
+            ("activations (ESTIMATE)", e.activations, 0,
+             "Korthikanti et al. 2022, per layer s*b*h*(34+5as/h)" + ("" if s["attention"] == "eager" else ", no 5as/h (sdpa)")),
+            ("CUDA context (constant)", e.context, 0, "outside torch's allocator"),
+            ]
+    width = 26
+    lines.append(f"{'':{width}} {'GPU GiB':>9}  {'host GiB':>9}  note")
+    for name, gpu_b, host_b, note in rows:
+        lines.append(f"{name:{width}} {_g(gpu_b)}  {_g(host_b) if host_b else ' ' * 9}  {note}")
+    lines.append("-" * (width + 24))
+    lines.append(f"{'peak, forward/backward':{width}} {_g(e.forward_backward)}")
+    lines.append(f"{'peak, optimizer step':{width}} {_g(e.optimizer_step)}  {' ' * 9}  "
+                 f"incl. {e.step_temporaries / GIB:.2f} GiB step temporaries"
+                 + ("; paged states stream in 64 MiB chunks" if paged else ""))
+    lines.append(f"{'PEAK (estimate)':{width}} {_g(e.peak)}")
+    if e.activations is None:
+        lines.append("activations unknown (no architecture): the peak excludes them")
+    if gpu is not None:
+        name, gib = gpu_capacity(gpu)
+        cap = int(gib * GIB)
+        verdict = ("fits" if e.peak <= cap else "does NOT fit") + f": needs {e.peak / GIB:.1f} GiB of {gib:g} GiB"
+        mb = e.max_batch(cap)
+        lines += ["", f"on {name}: {verdict}"
+                  + (f"; largest batch at seq {s['seq']}: {mb or 'none'}" if e.activations is not None else "")]
+        if compare:
+            lines.append("same run with each optimizer:")
+            for opt in OPTIMIZERS:
+                other = estimate(e.model, opt, e.weights_dtype, lora_rank=s["lora_rank"], lora_mlp=s["lora_mlp"],
+                                 batch=s["batch"], seq=s["seq"], gradient_checkpointing=s["gradient_checkpointing"],
+                                 attention=s["attention"], min_8bit_size=s["min_8bit_size"],
+                                 embeddings_32bit=s["embeddings_32bit"], act_dtype=s.get("act_dtype"),
+                                 context_bytes=e.context)
+                lines.append(f"  {opt:18} states {other.state_bytes / GIB:8.2f} GiB  peak {other.peak / GIB:8.2f} GiB  "
+                             + ("fits" if other.peak <= cap else "does not fit")
+                             + (f", largest batch {other.max_batch(cap) or 'none'}" if other.activations is not None else ""))
+    lines.append("Weights, gradients and optimizer states are exact for the given shapes; activations are an "
+                 "estimate (measure with pagedopt.memory.memory_report).")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="pagedopt-mem", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", type=float, help="parameter count, e.g. 7e9 (optimizer states then approximate)")
+    src.add_argument("--config", help=f"config.json (or its directory) of a transformers model, or a preset: "
+                                       f"{', '.join(PRESETS)}")
+    p.add_argument("--no-transformers", action="store_true", help="count with the Llama formula, not a meta model")
+    p.add_argument("--weights", choices=list(DTYPE_BYTES), default="bf16", help="dtype of the weights (and gradients)")
+    p.add_argument("--activations", choices=list(DTYPE_BYTES), default=None, dest="act_dtype",
+                   help="dtype of activations (default: that of the weights; bf16 for fp32 weights under autocast)")
+    p.add_argument("--optimizer", default="paged_adamw_8bit",
+                   help=f"{', '.join(OPTIMIZERS)} (Trainer names such as pagedopt_adamw_8bit work too)")
+    p.add_argument("--min-8bit-size", type=int, default=4096)
+    p.add_argument("--embeddings-32bit", action="store_true",
+                   help="embeddings keep 32-bit states (what the pagedopt Trainer names do by default)")
+    p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA rank (0: full fine-tuning)")
+    p.add_argument("--lora-mlp", action="store_true", help="LoRA on the MLP projections too")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa")
+    p.add_argument("--gpu", help="GPU memory in GiB or a name: " + ", ".join(GPUS))
+    p.add_argument("--json", action="store_true", help="print the figures as JSON (bytes)")
+    a = p.parse_args(argv)
+    try:
+        model = (model_from_params(a.params) if a.params is not None
+                 else model_from_config(a.config, use_transformers=not a.no_transformers))
+        e = estimate(model, a.optimizer, a.weights, lora_rank=a.lora, lora_mlp=a.lora_mlp, batch=a.batch, seq=a.seq,
+                     gradient_checkpointing=a.gradient_checkpointing, attention=a.attention,
+                     min_8bit_size=a.min_8bit_size, embeddings_32bit=a.embeddings_32bit, act_dtype=a.act_dtype)
+        if a.gpu is not None:
+            gpu_capacity(a.gpu)
+    except (ValueError, FileNotFoundError, KeyError) as err:
+        p.error(str(err))
+    if a.json:
+        out = {k: getattr(e, k) for k in ("n_params", "n_trainable", "weights", "gradients", "state_bytes", "states_gpu",
+                                          "states_host", "activations", "step_temporaries", "context")}
+        out.update(forward_backward=e.forward_backward, optimizer_step=e.optimizer_step, peak=e.peak,
+                   source=e.model.source, optimizer=e.optimizer)
+        if a.gpu is not None:
+            out["max_batch"] = e.max_batch(int(gpu_capacity(a.gpu)[1] * GIB))
+        print(json.dumps(out, indent=1))
+    else:
+        print(format_estimate(e, a.gpu))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# measuring a run
+# ------------------------------------------------------------------------------------------------
+def _unwrap(optimizer):
+    """The pagedopt (or torch) optimizer inside wrappers such as accelerate's AcceleratedOptimizer."""
+    seen = 0
+    while optimizer is not None and not hasattr(optimizer, "paging_stats") and hasattr(optimizer, "optimizer") and seen < 8:
+        optimizer, seen = optimizer.optimizer, seen + 1
+    return optimizer
+
+
+def memory_report(optimizer=None, device=None) -> dict:
+    """What the process holds now, in bytes:
+
+    * ``allocated_bytes``, ``reserved_bytes``, ``max_allocated_bytes``: torch.cuda.memory_allocated /
+      memory_reserved / max_memory_allocated of ``device`` (the current CUDA device); 0 without CUDA;
+    * ``rss_bytes``: the process's resident memory (psutil; absent without psutil);
+    * with ``optimizer``: ``optimizer_state_bytes`` (pagedopt.optim.base.optimizer_state_bytes), and for a
+      paged pagedopt optimizer ``paged_resident_bytes`` / ``paged_host_bytes`` (its paging_stats():
+      paged state bytes on a GPU / on the host) and ``unpaged_bytes`` (states that could not be paged,
+      e.g. on the CPU).
+    """
+    import torch
+
+    out: dict[str, Any] = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        out.update(allocated_bytes=int(torch.cuda.memory_allocated(dev)), reserved_bytes=int(torch.cuda.memory_reserved(dev)),
+                   max_allocated_bytes=int(torch.cuda.max_memory_allocated(dev)))
+    else:
+        out.update(allocated_bytes=0, reserved_bytes=0, max_allocated_bytes=0)
+    try:
+        import psutil
+
+        out["rss_bytes"] = int(psutil.Process().memory_info().rss)
+    except ImportError:
+        pass
+    opt = _unwrap(optimizer)
+    if opt is not None:
+        from .optim.base import optimizer_state_bytes
+
+        out["optimizer_state_bytes"] = int(optimizer_state_bytes(opt))
+        stats = opt.paging_stats() if hasattr(opt, "paging_stats") else None
+        if stats is not None:
+            out.update(paged_resident_bytes=int(stats.resident_bytes), paged_host_bytes=int(stats.host_bytes),
+                       unpaged_bytes=int(stats.unpaged_bytes))
+    return out
+
+
+def report_gib(report: dict, prefix: str = "mem/") -> dict:
+    """``memory_report()`` with ``*_bytes`` keys turned into ``{prefix}*_gib`` floats (for logs)."""
+    return {f"{prefix}{k[:-len('_bytes')]}_gib" if k.endswith("_bytes") else f"{prefix}{k}":
+            v / GIB if k.endswith("_bytes") else v for k, v in report.items()}
+
+
+def log_memory(step: int, every: int = 100, optimizer=None, log: Optional[Callable[[str], Any]] = print) -> Optional[dict]:
+    """In a plain loop: every ``every`` steps (when ``step % every == 0``), call ``log`` with one line
+    of :func:`memory_report` in GiB, and return the report (bytes, with ``step``); else None."""
+    if every <= 0 or step % every:
+        return None
+    rep = memory_report(optimizer)
+    if log is not None:
+        log(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in report_gib(rep, "").items()))
+    return {"step": step, **rep}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
