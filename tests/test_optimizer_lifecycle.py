@@ -244,3 +244,28 @@ def test_overridden_32bit_state_round_trips_through_a_checkpoint():
     run(opt, params, [1])
     run(opt2, twin, [1])
     assert_same(params, twin, opt, opt2)
+
+
+def test_override_does_not_pass_to_a_tensor_that_reuses_a_freed_id():
+    """Overrides are found by id(); once the overridden tensor is freed, a new tensor given the same
+    id must not inherit its override."""
+    import gc
+
+    mng = GlobalOptimManager.get_instance()
+    t = torch.randn(300, requires_grad=True)
+    old_id = id(t)
+    mng.override_config(t, "optim_bits", 32)
+    del t
+    gc.collect()
+    keep = []
+    for _ in range(2000):
+        q = torch.randn(300, requires_grad=True)
+        if id(q) == old_id:
+            break
+        keep.append(q)
+    else:
+        pytest.skip("CPython did not reuse the id here")
+    opt = pagedopt.AdamW8bit([q], min_8bit_size=256)
+    q.grad = torch.randn(300)
+    opt.step()
+    assert opt.state[q]["state1"].dtype == torch.uint8

@@ -7,12 +7,16 @@ State layout per parameter follows bitsandbytes, so checkpoints carry over:
   ``qmap1`` (signed codebook) / ``qmap2`` (unsigned codebook), ``step``.
 * 32-bit: ``state1``/``state2`` float32 shaped like the parameter, ``step``.
 
+A DTensor parameter (FSDP2) keeps these states for its local shard only, as plain tensors; its
+state dict presents them as DTensors (see checkpoint.sharded_param_state).
+
 ``step`` is a float32 scalar tensor on the parameter's device (as torch's fused Adam keeps
 it), so that a step skipped by GradScaler needs no host synchronisation.
 """
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections import defaultdict
 from typing import Any, Callable, Iterable, NamedTuple, Optional
@@ -54,6 +58,28 @@ class _StepPlan(NamedTuple):
     key: tuple
     buckets: list[_Bucket]
     steps_by_device: dict
+    sharded: bool              # some parameter is a DTensor: kernels run on local shards (_local_tensors)
+
+
+def _dtensor_class():
+    """torch's DTensor class if torch.distributed.tensor has been imported, else None: no parameter
+    can be a DTensor before it is, and pagedopt need not import it (about 0.1 s) for a plain run."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def _has_dtensor(tensors) -> bool:
+    dtensor = _dtensor_class()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The tensor the kernels update for ``p``: its local shard if ``p`` is a DTensor, else ``p``.
+    ``_local_tensor`` is what ``DTensor.to_local()`` returns under no_grad (for a Parameter it
+    returns a fresh view of it, one more object per tensor and step); FSDP2's sharded parameter
+    data lives in it, so an in-place update of it updates the parameter."""
+    dtensor = _dtensor_class()
+    return p._local_tensor if dtensor is not None and isinstance(p, dtensor) else p
 
 
 def _run_update(optimizer: "AdamBase") -> None:
@@ -203,20 +229,24 @@ class AdamBase(torch.optim.Optimizer):
         return found
 
     def _init_state(self, config: dict, p: torch.Tensor) -> dict:
+        """``p``'s state, created if it has none. A DTensor parameter (FSDP2) gets states of its
+        local shard only (shape and blocks of ``_local(p)``); whether they are 8-bit depends on the
+        global size, so that every rank, and an unsharded run, choose alike."""
         state = self.state[p]
         if len(state) != 0:
             return state
-        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        local = _local(p)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=local.device)
         if self._uses_8bit(config, p):
-            blocks = (p.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
-            state["state1"] = self._state_zeros(p.shape, torch.uint8, p.device)
-            state["state2"] = self._state_zeros(p.shape, torch.uint8, p.device)
-            state["absmax1"] = self._state_zeros((blocks,), torch.float32, p.device)
-            state["absmax2"] = self._state_zeros((blocks,), torch.float32, p.device)
-            state["qmap1"], state["qmap2"] = self._codebooks_on(p.device)
+            blocks = (local.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
+            state["state1"] = self._state_zeros(local.shape, torch.uint8, local.device)
+            state["state2"] = self._state_zeros(local.shape, torch.uint8, local.device)
+            state["absmax1"] = self._state_zeros((blocks,), torch.float32, local.device)
+            state["absmax2"] = self._state_zeros((blocks,), torch.float32, local.device)
+            state["qmap1"], state["qmap2"] = self._codebooks_on(local.device)
         else:
-            state["state1"] = self._state_zeros(p.shape, torch.float32, p.device)
-            state["state2"] = self._state_zeros(p.shape, torch.float32, p.device)
+            state["state1"] = self._state_zeros(local.shape, torch.float32, local.device)
+            state["state2"] = self._state_zeros(local.shape, torch.float32, local.device)
         return state
 
     # ------------------------------------------------------------------ step
@@ -269,11 +299,17 @@ class AdamBase(torch.optim.Optimizer):
         if not params:
             return
 
-        # 1. Validate every gradient (one C++ call) before any state changes.
-        verdict = _ops.check_grads(params, grads)
+        # 1. Validate every gradient (one C++ call) before any state changes. DTensor parameters
+        # (FSDP2) are checked, and updated, through their local shards: whether there are any is
+        # decided once per plan, so a plain run pays nothing for it.
+        plan = self._cached_plan(params)
+        sharded = plan.sharded if plan is not None else _has_dtensor(params)
+        work_params, work_grads = self._local_tensors(params, grads) if sharded else (params, grads)
+        verdict = _ops.check_grads(work_params, work_grads)
         if verdict >= 0:
             self._raise_bad_grad(params[verdict])
-        plan = self._step_plan(params)
+        if plan is None:
+            plan = self._step_plan(params)
         contiguous = verdict == _ops.GRADS_CONTIGUOUS
 
         grad_scale = getattr(self, "grad_scale", None)
@@ -289,15 +325,43 @@ class AdamBase(torch.optim.Optimizer):
             device = bucket.device
             scale = None if grad_scale is None else grad_scale.to(device, non_blocking=True)
             inf = None if found_inf is None else found_inf.to(device, non_blocking=True)
-            bucket_grads = [grads[i] for i in bucket.index]
+            bucket_grads = [work_grads[i] for i in bucket.index]
+            bucket_params = [work_params[i] for i in bucket.index] if sharded else bucket.params
             if bucket.eight_bit:
-                self._step_8bit(group, bucket, bucket_grads, contiguous, scale, inf)
+                self._step_8bit(group, bucket, bucket_params, bucket_grads, contiguous, scale, inf)
             else:
-                self._step_32bit(group, bucket, bucket_grads, contiguous, scale, inf)
+                self._step_32bit(group, bucket, bucket_params, bucket_grads, contiguous, scale, inf)
 
         if found_inf is not None:
             for device, steps in plan.steps_by_device.items():
                 torch._foreach_sub_(steps, found_inf.to(device, non_blocking=True))
+
+    def _local_tensors(self, params: list[torch.Tensor], grads: list[torch.Tensor]):
+        """(params, grads) with every DTensor replaced by its local shard, after checking that a
+        DTensor parameter's gradient is a DTensor on the same mesh with the same placements (FSDP2's
+        reduce-scattered gradients are) and a plain parameter's gradient is not a DTensor."""
+        dtensor = _dtensor_class()
+        local_params, local_grads = [], []
+        for p, g in zip(params, grads):
+            p_is, g_is = isinstance(p, dtensor), isinstance(g, dtensor)
+            if p_is and g_is and g._spec.placements == p._spec.placements and g._spec.mesh == p._spec.mesh:
+                local_params.append(p._local_tensor)
+                local_grads.append(g._local_tensor)
+            elif not p_is and not g_is:
+                local_params.append(p)
+                local_grads.append(g)
+            else:
+                self._raise_bad_sharding(p, g)
+        return local_params, local_grads
+
+    def _raise_bad_sharding(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        def layout(t):
+            return f"a DTensor {tuple(t.placements)} on {t.device_mesh}" if hasattr(t, "placements") else "a plain tensor"
+
+        where = next((_describe(gi, pi, p) for gi, group in enumerate(self.param_groups)
+                      for pi, q in enumerate(group["params"]) if q is p), "a parameter")
+        raise ValueError(f"{where}: the parameter is {layout(p)}, its gradient {layout(g)} "
+                         "(they must be sharded alike)")
 
     def _raise_bad_grad(self, p: torch.Tensor) -> None:
         for gi, group in enumerate(self.param_groups):
@@ -313,13 +377,11 @@ class AdamBase(torch.optim.Optimizer):
         tensor changed in place is used as it is). Bucket by (group, device, dtype, state width,
         codebooks, per-parameter overrides); each bucket is one fused call. Codebooks differ only
         when a checkpoint brought its own."""
-        state = self.state
-        if not isinstance(state, StateTable):  # replaced by hand
-            state = self.state = StateTable(state)
-        key = (id(state), state.version, self._plan_version, tuple(map(id, params)))
-        plan = self._plan
-        if plan is not None and plan.key == key:
+        plan = self._cached_plan(params)
+        if plan is not None:
             return plan
+        state = self.state
+        key = (id(state), state.version, self._plan_version, tuple(map(id, params)))
         index_of = {id(p): (gi, pi) for gi, group in enumerate(self.param_groups)
                     for pi, p in enumerate(group["params"])}
         overrides = self._overrides(self.param_groups)
@@ -344,8 +406,18 @@ class AdamBase(torch.optim.Optimizer):
             buckets.append(_Bucket(gi, device, eight_bit, index, bucket_params, states, lists, held, dict(setting)))
             steps_by_device[device] += [s["step"] for s in states]
         key = (id(state), state.version, self._plan_version, key[3])  # states may have been created
-        self._plan = _StepPlan(key, buckets, dict(steps_by_device))
+        self._plan = _StepPlan(key, buckets, dict(steps_by_device), _has_dtensor(params))
         return self._plan
+
+    def _cached_plan(self, params: list[torch.Tensor]) -> Optional["_StepPlan"]:
+        """The cached plan if it still fits these parameters, the groups and the state, else None."""
+        state = self.state
+        if not isinstance(state, StateTable):  # replaced by hand
+            state = self.state = StateTable(state)
+        plan = self._plan
+        if plan is not None and plan.key == (id(state), state.version, self._plan_version, tuple(map(id, params))):
+            return plan
+        return None
 
     @staticmethod
     def _contiguous_views(params: list[torch.Tensor], grads: list[torch.Tensor]):
@@ -379,15 +451,16 @@ class AdamBase(torch.optim.Optimizer):
         return self._pager.stage([[bucket.states[j][k] for j in chunk for k in keys if k in bucket.states[j]]
                                   for chunk in chunks])
 
-    def _bucket_chunks(self, bucket: "_Bucket", grads: list[torch.Tensor], contiguous: bool):
+    def _bucket_chunks(self, bucket: "_Bucket", bucket_params: list[torch.Tensor], grads: list[torch.Tensor],
+                       contiguous: bool):
         """(params, grads, state lists) per chunk, in the order the chunks are to be updated."""
         chunks = self._chunks(bucket)
         for i in self._paged_stages(bucket, chunks):
             chunk = chunks[i]
             if len(chunks) == 1:
-                params, chunk_grads, lists = bucket.params, grads, bucket.lists
+                params, chunk_grads, lists = bucket_params, grads, bucket.lists
             else:
-                params = [bucket.params[j] for j in chunk]
+                params = [bucket_params[j] for j in chunk]
                 chunk_grads = [grads[j] for j in chunk]
                 lists = tuple([lst[j] for j in chunk] for lst in bucket.lists)
             if contiguous:
@@ -396,16 +469,18 @@ class AdamBase(torch.optim.Optimizer):
                 work_params, work_grads = self._contiguous_views(params, chunk_grads)
                 yield params, work_params, work_grads, lists
 
-    def _step_8bit(self, group: dict, bucket: "_Bucket", grads, contiguous: bool, grad_scale, found_inf) -> None:
+    def _step_8bit(self, group: dict, bucket: "_Bucket", params, grads, contiguous: bool, grad_scale,
+                   found_inf) -> None:
+        """``params``/``grads``: the bucket's (local shards of DTensor parameters)."""
         beta1, beta2 = group["betas"]
         if contiguous and (self._pager is None or self._pager.all_resident()):
             _ops.ops.adam8bit_step_list_(
-                bucket.held, bucket.params, grads, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                bucket.held, params, grads, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
                 float(group["weight_decay"]), self.decoupled, grad_scale, found_inf)
             return
         qmap1, qmap2 = bucket.states[0]["qmap1"], bucket.states[0]["qmap2"]
         for params, work_params, work_grads, (state1, state2, absmax1, absmax2, steps) in self._bucket_chunks(
-                bucket, grads, contiguous):
+                bucket, params, grads, contiguous):
             _ops.ops.adam8bit_step_(
                 work_params, work_grads, state1, state2, absmax1, absmax2, steps, qmap1, qmap2,
                 float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
@@ -413,11 +488,12 @@ class AdamBase(torch.optim.Optimizer):
             if work_params is not params:
                 self._write_back(params, work_params)
 
-    def _step_32bit(self, group: dict, bucket: "_Bucket", grads, contiguous: bool, grad_scale, found_inf) -> None:
-        """32-bit states reuse torch's fused Adam/AdamW kernel (CPU and CUDA)."""
+    def _step_32bit(self, group: dict, bucket: "_Bucket", params, grads, contiguous: bool, grad_scale,
+                    found_inf) -> None:
+        """32-bit states reuse torch's fused Adam/AdamW kernel (CPU and CUDA), on plain (local) tensors."""
         beta1, beta2 = group["betas"]
         fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
-        for params, work_params, work_grads, (state1, state2, steps) in self._bucket_chunks(bucket, grads,
+        for params, work_params, work_grads, (state1, state2, steps) in self._bucket_chunks(bucket, params, grads,
                                                                                               contiguous):
             # torch's fused kernel wants params, grads and states of one dtype; states stay fp32.
             if work_params[0].dtype != torch.float32:
@@ -436,6 +512,14 @@ class AdamBase(torch.optim.Optimizer):
         ``torch.load(weights_only=True)`` reads it back."""
         sd = super().state_dict()
         sd["state"] = {k: checkpoint.portable_param_state(v) for k, v in sd["state"].items()}
+        if _dtensor_class() is not None:
+            # A DTensor parameter's (FSDP2) states are local shards here; in the state dict they are
+            # DTensors (checkpoint.sharded_param_state), so that torch.distributed.checkpoint saves
+            # and reloads each rank's part.
+            for saved, group in zip(sd["param_groups"], self.param_groups):
+                for key, p in zip(saved["params"], group["params"]):
+                    if key in sd["state"] and isinstance(p, _dtensor_class()):
+                        sd["state"][key] = checkpoint.sharded_param_state(sd["state"][key], p)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -506,11 +590,13 @@ class AdamBase(torch.optim.Optimizer):
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held by any optimizer's state tensors, each storage counted once; the shared
-    codebooks (qmap1/qmap2) are not counted."""
+    """Bytes held by any optimizer's state tensors on this process, each storage counted once; the
+    shared codebooks (qmap1/qmap2) are not counted. Under FSDP2 that is this rank's shards (a DTensor
+    state, as torch's optimizers keep, counts its local tensor)."""
     seen, total = set(), 0
     for s in optimizer.state.values():
         for k, v in s.items():
+            v = _local(v) if isinstance(v, torch.Tensor) else v  # a DTensor state counts its local shard
             if isinstance(v, torch.Tensor) and k not in ("qmap1", "qmap2") and v.data_ptr() not in seen:
                 seen.add(v.data_ptr())
                 total += v.numel() * v.element_size()

@@ -16,6 +16,7 @@ get here: quantized to 8-bit codes where its group (or a GlobalOptimManager over
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,146 @@ def owned(t: torch.Tensor) -> torch.Tensor:
 def portable_param_state(state: Mapping) -> dict:
     """A parameter's state as a plain dict of tensors that own their storage."""
     return {k: owned(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+# ---------------------------------------------------------------------------------- sharded (FSDP2)
+# A DTensor parameter (FSDP2's fully_shard, or any DTensor sharding) keeps its states on its local
+# shard only: codes (or 32-bit moments) shaped like the local shard, and the absmax of the blocks of
+# that shard (blocks start at the shard's first element). In a state dict they are DTensors, so that
+# torch.distributed.checkpoint (get_optimizer_state_dict / set_optimizer_state_dict, dcp.save/load)
+# writes and reads each rank's part:
+#
+# * state1/state2: DTensor.from_local(local, mesh, the parameter's placements, shape and stride of
+#   the parameter): exactly the layout of the parameter, like torch's exp_avg/exp_avg_sq.
+# * absmax1/absmax2: ranks may hold different numbers of blocks (uneven shards, or shards that are
+#   not multiples of 256 elements), and DTensor's Shard follows torch.chunk's sizes, not these. So each
+#   rank's absmax is padded with zeros to the block count of the largest shard, B (computed from the
+#   global shape and placements, the same on every rank, with no communication), and the padded
+#   pieces form an even 1-D DTensor of slots * B entries: Shard(0) over each mesh dimension that
+#   shards the parameter, Replicate over the others (HSDP's replicas hold equal absmax).
+# * absmax_layout: int64 tensor [slots, B, aligned], the same on every rank (a replicated tensor
+#   for DCP). ``aligned`` (every shard is exactly B * 256 elements, so no padding) means the absmax
+#   DTensor is the absmax of the unsharded parameter, block for block: such a checkpoint reshards
+#   to any other aligned layout (another world size) and gathers (full_state_dict) into the state
+#   of an unsharded optimizer. Otherwise blocks belong to one layout, and load_state_dict refuses
+#   another one (DCP itself usually refuses first, with a size mismatch of absmax1).
+ABSMAX_LAYOUT_KEY = "absmax_layout"
+
+
+def _absmax_layout(p) -> tuple[int, int, list, bool]:
+    """(slots, B, absmax placements, aligned) of a DTensor parameter; see above."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = p.device_mesh, p.placements
+    largest = list(p.shape)
+    slots, out = 1, []
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            largest[placement.dim] = -(-largest[placement.dim] // mesh.size(dim))  # torch.chunk's first piece
+            slots *= mesh.size(dim)
+            out.append(Shard(0))
+        elif isinstance(placement, Replicate):
+            out.append(Replicate())
+        else:
+            raise ValueError(f"a parameter with placements {tuple(placements)}: pagedopt keeps states of "
+                             "Shard or Replicate parameters only")
+    blocks = -(-math.prod(largest) // STATE_BLOCK_SIZE)
+    return slots, blocks, out, slots * blocks * STATE_BLOCK_SIZE == p.numel()
+
+
+def sharded_param_state(state: Mapping, p) -> dict:
+    """A DTensor parameter's state as it goes into a state dict (see above); ``state`` holds local tensors."""
+    from torch.distributed.tensor import DTensor
+
+    out = dict(state)
+    mesh, placements = p.device_mesh, p.placements
+    for k in MOMENT_KEYS:
+        out[k] = DTensor.from_local(state[k], mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
+    if state["state1"].dtype == torch.uint8:
+        slots, blocks, absmax_placements, aligned = _absmax_layout(p)
+        for k in ABSMAX_KEYS:
+            local = state[k]
+            if local.numel() > blocks:
+                raise ValueError(f"a shard of {tuple(p.shape)} with placements {tuple(placements)} holds "
+                                 f"{local.numel()} blocks, more than the {blocks} of the largest chunk")
+            if local.numel() < blocks:
+                local = torch.cat([local, local.new_zeros(blocks - local.numel())])
+            out[k] = DTensor.from_local(local, mesh, absmax_placements, run_check=False,
+                                        shape=torch.Size((slots * blocks,)), stride=(1,))
+        out[ABSMAX_LAYOUT_KEY] = torch.tensor([slots, blocks, int(aligned)], dtype=torch.int64)
+    return out
+
+
+def _is_dtensor(t: Any) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _localize(state: dict, p: torch.Tensor, where: str) -> dict:
+    """A saved state with its DTensors replaced by this rank's local tensors, checked against the
+    DTensor parameter ``p``: moments (and torch's exp_avg/exp_avg_sq) must have ``p``'s mesh,
+    placements and shape; absmax the layout of sharded_param_state for ``p``'s sharding (or an
+    aligned one, see above). A plain ``p`` takes no DTensor, a DTensor ``p`` no plain moments."""
+    p_sharded = _is_dtensor(p)
+    for k, v in state.items():
+        if _is_dtensor(v) and not p_sharded:
+            raise _refuse(f"{where} {k!r} is a DTensor (a sharded checkpoint) but the parameter is not; "
+                          "gather it first (get_optimizer_state_dict with full_state_dict=True)")
+    if not p_sharded:
+        return state
+    out = dict(state)
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    for k in MOMENT_KEYS + TORCH_MOMENT_KEYS:
+        if k not in state:
+            continue
+        v = state[k]
+        if not _is_dtensor(v):
+            raise _refuse(f"{where} {k!r} is a plain tensor but the parameter is a DTensor with placements "
+                          f"{placements}: load a sharded checkpoint (get_optimizer_state_dict / "
+                          "set_optimizer_state_dict, torch.distributed.checkpoint)")
+        if v.device_mesh != mesh or tuple(v.placements) != placements:
+            raise _refuse(f"{where} {k!r} is sharded as {tuple(v.placements)} on {v.device_mesh}, the "
+                          f"parameter as {placements} on {mesh}")
+        if tuple(v.shape) != tuple(p.shape):
+            raise _refuse(f"{where} {k!r} has shape {tuple(v.shape)}, expected {tuple(p.shape)}")
+        out[k] = v.to_local()
+    if any(k in state for k in ABSMAX_KEYS):
+        slots, blocks, absmax_placements, aligned = _absmax_layout(p)
+        saved = state.get(ABSMAX_LAYOUT_KEY)
+        if not isinstance(saved, torch.Tensor) or saved.dtype != torch.int64 or tuple(saved.shape) != (3,):
+            raise _refuse(f"{where} has no {ABSMAX_LAYOUT_KEY!r} (an int64 tensor [slots, blocks, aligned]) "
+                          "beside its sharded absmax")
+        saved_slots, saved_blocks, saved_aligned = (int(x) for x in saved.tolist())
+        if (saved_slots, saved_blocks) != (slots, blocks) and not (saved_aligned and aligned):
+            raise _refuse(f"{where} absmax was saved with {saved_slots} shards of {saved_blocks} blocks, this "
+                          f"parameter has {slots} of {blocks}: 8-bit states of shards that are not multiples "
+                          f"of {STATE_BLOCK_SIZE} elements reload only at the world size (and mesh) they were "
+                          "saved at")
+        local_blocks = -(-_local_numel(p) // STATE_BLOCK_SIZE)
+        for k in ABSMAX_KEYS:
+            v = state.get(k)
+            if v is None:
+                continue
+            if not _is_dtensor(v) or v.device_mesh != mesh or tuple(v.placements) != tuple(absmax_placements) \
+                    or tuple(v.shape) != (slots * blocks,):
+                raise _refuse(f"{where} {k!r} must be a DTensor of shape ({slots * blocks},) with placements "
+                              f"{tuple(absmax_placements)} on {mesh}, got "
+                              f"{tuple(v.placements) if _is_dtensor(v) else 'a plain tensor'} of shape "
+                              f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
+            local = v.to_local()
+            if local.numel() != blocks:
+                raise _refuse(f"{where} {k!r} holds {local.numel()} blocks on this rank, expected {blocks}")
+            out[k] = local[:local_blocks]
+    out.pop(ABSMAX_LAYOUT_KEY, None)
+    return out
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return p._local_tensor.numel() if _is_dtensor(p) else p.numel()
+
+
+def _local_of(p: torch.Tensor) -> torch.Tensor:
+    return p._local_tensor if _is_dtensor(p) else p
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -124,11 +265,14 @@ def _unnest(saved: Mapping, where: str) -> dict:
 
 def read_param_state(saved: Any, p: torch.Tensor, where: str) -> dict:
     """A validated parameter state in pagedopt's flat form (tensors not yet copied), with a float
-    'step' and, for a torch state, float32 'exp_avg'/'exp_avg_sq' to be converted."""
-    state = _unnest(_as_mapping(saved, where), where)
+    'step' and, for a torch state, float32 'exp_avg'/'exp_avg_sq' to be converted. For a DTensor
+    ``p`` the tensors are this rank's local ones, checked against ``p``'s local shard."""
+    state = _localize(_unnest(_as_mapping(saved, where), where), p, where)
+    p = _local_of(p)
     if "step" not in state:
         raise _refuse(f"{where} has no 'step'")
-    out = {k: v for k, v in state.items() if k not in MOMENT_KEYS + ABSMAX_KEYS + QMAP_KEYS + TORCH_MOMENT_KEYS}
+    out = {k: v for k, v in state.items() if k not in MOMENT_KEYS + ABSMAX_KEYS + QMAP_KEYS + TORCH_MOMENT_KEYS
+           + (ABSMAX_LAYOUT_KEY,)}
     out["step"] = read_step(state["step"], where)
     if "max_exp_avg_sq" in state:
         raise _refuse(f"{where} 'max_exp_avg_sq': amsgrad states are not supported")
@@ -231,8 +375,8 @@ def plan_load(opt: "AdamBase", state_dict: Any) -> tuple[list[dict], dict]:
         p = new_groups[gi]["params"][pi]
         if "exp_avg" in fields:
             config = {**new_groups[gi], **overrides.get((gi, pi), {})}
-            fields = _from_torch(opt, fields, p, opt._uses_8bit(config, p))
-        new_state[p] = _materialize(opt, fields, p)
+            fields = _from_torch(opt, fields, _local_of(p), opt._uses_8bit(config, p))
+        new_state[p] = _materialize(opt, fields, _local_of(p))
     return new_groups, new_state
 
 

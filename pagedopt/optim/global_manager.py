@@ -15,6 +15,7 @@ state is created (its first step): ``optim_bits`` and ``min_8bit_size`` choose t
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterable, Optional
 
 import torch
@@ -34,6 +35,9 @@ class GlobalOptimManager:
     def initialize(self) -> None:
         """Forget every registration and override."""
         self.pid2config: dict[int, dict] = {}
+        # The tensor behind each id of pid2config: an id can be reused by a new tensor once the
+        # overridden one is freed, and the override must not pass to it.
+        self._pid_refs: dict[int, weakref.ref] = {}
         self.index2config: dict[tuple[int, int], dict] = {}
         self.module_weight_config_triple: list[tuple[torch.nn.Module, str, dict]] = []
         self.uses_config_override = False
@@ -53,8 +57,12 @@ class GlobalOptimManager:
             groups = [{"params": groups}]
         for gi, group in enumerate(groups):
             for pi, p in enumerate(group["params"]):
-                if id(p) in self.pid2config:
+                if self._overridden(p):
                     self.index2config[(gi, pi)] = self.pid2config[id(p)]
+
+    def _overridden(self, p: torch.Tensor) -> bool:
+        ref = self._pid_refs.get(id(p))
+        return id(p) in self.pid2config and (ref is None or ref() is p)
 
     def override_config(self, parameters, key: Optional[str] = None, value: Any = None,
                         key_value_dict: Optional[dict] = None) -> None:
@@ -72,7 +80,10 @@ class GlobalOptimManager:
         for p in params:
             if not isinstance(p, torch.Tensor):
                 raise ValueError(f"override_config: expected tensors, got {type(p).__name__}")
-            self.pid2config.setdefault(id(p), {}).update(key_value_dict)
+            if not self._overridden(p):  # new, or an id left behind by a freed tensor
+                self.pid2config[id(p)] = {}
+                self._pid_refs[id(p)] = weakref.ref(p)
+            self.pid2config[id(p)].update(key_value_dict)
         self.uses_config_override = True
 
     def register_module_override(self, module: torch.nn.Module, param_name: str, config: dict) -> None:
@@ -87,7 +98,8 @@ class GlobalOptimManager:
         """The override of each (group index, param index) of ``param_groups`` that has one."""
         if not self.uses_config_override:
             return {}
-        by_id = dict(self.pid2config)
+        by_id = {pid: dict(c) for pid, c in self.pid2config.items()
+                 if pid not in self._pid_refs or self._pid_refs[pid]() is not None}
         for module, name, config in self.module_weight_config_triple:
             p = getattr(module, name, None)
             if isinstance(p, torch.Tensor):
