@@ -497,7 +497,7 @@ def format_estimate(e: Estimate, gpu=None, compare: bool = True) -> str:
     elif bits == 32:
         states_note = "fp32 m and v: 8 bytes/param"
     else:
-        states_note = f"exp_avg, exp_avg_sq in the params' dtype"
+        states_note = "exp_avg, exp_avg_sq in the params' dtype"
     rows = [("weights", e.weights, 0, ""),
             ("gradients", e.gradients, 0, "trainable params only"),
             ("optimizer states" + (" (paged)" if paged else ""), e.states_gpu, e.states_host,

@@ -8,24 +8,22 @@ State layout per parameter follows bitsandbytes, so checkpoints carry over:
 * 32-bit: ``state1``/``state2`` float32 shaped like the parameter, ``step``.
 
 A DTensor parameter (FSDP2) keeps these states for its local shard only, as plain tensors; its
-state dict presents them as DTensors (see checkpoint.sharded_param_state).
+state dict presents them as DTensors (see sharding.sharded_param_state).
 
 ``step`` is a float32 scalar tensor on the parameter's device (as torch's fused Adam keeps
 it), so that a step skipped by GradScaler needs no host synchronisation.
 """
 from __future__ import annotations
 
-import math
-import sys
-import warnings
 from collections import defaultdict
-from typing import Any, Callable, Iterable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
 from .. import _ops
 from ..quant import STATE_BLOCK_SIZE, dynamic_codebook
-from . import checkpoint
+from . import checkpoint, sharding
+from .hyperparameters import check_hyperparameters
 from .global_manager import GlobalOptimManager
 from .state_table import StateTable
 
@@ -59,27 +57,6 @@ class _StepPlan(NamedTuple):
     buckets: list[_Bucket]
     steps_by_device: dict
     sharded: bool              # some parameter is a DTensor: kernels run on local shards (_local_tensors)
-
-
-def _dtensor_class():
-    """torch's DTensor class if torch.distributed.tensor has been imported, else None: no parameter
-    can be a DTensor before it is, and pagedopt need not import it (about 0.1 s) for a plain run."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
-
-
-def _has_dtensor(tensors) -> bool:
-    dtensor = _dtensor_class()
-    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """The tensor the kernels update for ``p``: its local shard if ``p`` is a DTensor, else ``p``.
-    ``_local_tensor`` is what ``DTensor.to_local()`` returns under no_grad (for a Parameter it
-    returns a fresh view of it, one more object per tensor and step); FSDP2's sharded parameter
-    data lives in it, so an in-place update of it updates the parameter."""
-    dtensor = _dtensor_class()
-    return p._local_tensor if dtensor is not None and isinstance(p, dtensor) else p
 
 
 def _run_update(optimizer: "AdamBase") -> None:
@@ -140,42 +117,7 @@ class AdamBase(torch.optim.Optimizer):
         self._plan = None
 
     # ------------------------------------------------------------------ validation
-    @staticmethod
-    def _check_hyperparameters(h: dict, where: str) -> None:
-        """Raise a ValueError naming ``where`` (``argument`` or ``param_groups[i]``) and the key."""
-        def name(key):
-            return f"{where}[{key!r}]" if where.startswith("param_groups") else f"{where} {key!r}"
-
-        def number(key):
-            v = h.get(key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"Invalid {name(key)}: {v!r} (must be a float)")
-            return float(v)
-
-        for key in ("lr", "betas", "eps", "weight_decay", "optim_bits", "min_8bit_size"):
-            if key not in h:
-                raise ValueError(f"Invalid {name(key)}: missing")
-        lr = h["lr"]
-        if isinstance(lr, torch.Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"Invalid {name('lr')}: a tensor of shape {tuple(lr.shape)} (must be a float)")
-        elif not math.isfinite(number("lr")) or lr < 0:
-            raise ValueError(f"Invalid {name('lr')}: {lr!r} (must be a finite float >= 0)")
-        betas = h["betas"]
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"Invalid {name('betas')}: {betas!r} (must be a pair of floats)")
-        for i, b in enumerate(betas):
-            if isinstance(b, (bool, torch.Tensor)) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
-                raise ValueError(f"Invalid {name('betas')}: betas[{i}] = {b!r} (must be a float in [0, 1))")
-        for key in ("eps", "weight_decay"):
-            v = number(key)
-            if not math.isfinite(v) or v < 0:
-                raise ValueError(f"Invalid {name(key)}: {v!r} (must be a finite float >= 0)")
-        if isinstance(h["optim_bits"], bool) or h["optim_bits"] not in (8, 32):
-            raise ValueError(f"Invalid {name('optim_bits')}: {h['optim_bits']!r} (must be 8 or 32)")
-        m = h["min_8bit_size"]
-        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
-            raise ValueError(f"Invalid {name('min_8bit_size')}: {m!r} (must be an int >= 0)")
+    _check_hyperparameters = staticmethod(check_hyperparameters)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's add_param_group, with the group's settings checked before it is added."""
@@ -230,12 +172,12 @@ class AdamBase(torch.optim.Optimizer):
 
     def _init_state(self, config: dict, p: torch.Tensor) -> dict:
         """``p``'s state, created if it has none. A DTensor parameter (FSDP2) gets states of its
-        local shard only (shape and blocks of ``_local(p)``); whether they are 8-bit depends on the
+        local shard only (shape and blocks of ``sharding.local(p)``); whether they are 8-bit depends on the
         global size, so that every rank, and an unsharded run, choose alike."""
         state = self.state[p]
         if len(state) != 0:
             return state
-        local = _local(p)
+        local = sharding.local(p)
         state["step"] = torch.zeros((), dtype=torch.float32, device=local.device)
         if self._uses_8bit(config, p):
             blocks = (local.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
@@ -253,27 +195,14 @@ class AdamBase(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One Adam step over every parameter with a gradient; returns ``closure()`` if given.
 
-        Under ``torch.compile`` the update is a clean graph break: the closure (if any) is traced
-        with the caller's code, and the update itself (``_update``) runs eagerly, outside every
-        graph, through ``torch._dynamo.disable`` (see ``_update_outside_graph``). So a compiled
-        training function that calls ``opt.step()`` (with ``fullgraph=False``), and
-        ``torch.compile(opt.step)``, run exactly the kernels of an eager step and give bit-identical
-        parameters and states.
-
-        Why not trace it: each bucket's update is already one fused multi-tensor kernel (our 8-bit
-        op, or torch's ``_fused_adam(w)_``), opaque to inductor, so a graph has nothing to fuse; it
-        would only add guards on every parameter and state (recompiling when states are created or
-        reset, or param groups change), functionalized copies of the mutated tensors unless inductor
-        re-inplaces them, and a hidden mutation (the 8-bit states held by the AdamStateList object,
-        which a schema cannot annotate and which alias the plan's step lists: dynamo refuses such
-        an object with UnsafeScriptObjectError). The paged path (residency, prefetch, staging) is
-        host-side driver work that cannot be traced at all. A training step graph-breaks at
-        ``loss.backward()`` anyway (without compiled autograd), so this costs one more resumption of
-        the compiled frame; in eager mode the check is one ``torch.compiler.is_compiling()`` call
-        (about 0.2 us). torch's own optimizers use the same pattern for what they cannot compile:
-        ``_disable_dynamo_if_unsupported`` runs the functional step under ``torch._disable_dynamo``
-        when compiling a non-capturable step whose step counters are on a GPU.
-        ``fullgraph=True`` cannot include ``step()`` (a graph break is an error there).
+        Under ``torch.compile`` the update is a clean graph break: the closure is traced with the
+        caller's code, the update (``_update``) runs eagerly through ``torch._disable_dynamo``, so
+        compiled code (``fullgraph=False``) and ``torch.compile(opt.step)`` run the kernels of an
+        eager step, bit for bit. Tracing it would gain nothing (each bucket is one fused kernel,
+        opaque to inductor), would guard on every parameter and state, cannot annotate the states
+        mutated inside the AdamStateList (dynamo refuses it: UnsafeScriptObjectError), and cannot
+        trace the paged path's driver calls. torch's own optimizers do the same for what they
+        cannot compile (``_disable_dynamo_if_unsupported``).
         """
         loss = None
         if closure is not None:
@@ -303,8 +232,8 @@ class AdamBase(torch.optim.Optimizer):
         # (FSDP2) are checked, and updated, through their local shards: whether there are any is
         # decided once per plan, so a plain run pays nothing for it.
         plan = self._cached_plan(params)
-        sharded = plan.sharded if plan is not None else _has_dtensor(params)
-        work_params, work_grads = self._local_tensors(params, grads) if sharded else (params, grads)
+        sharded = plan.sharded if plan is not None else sharding.has_dtensor(params)
+        work_params, work_grads = sharding.local_tensors(params, grads, self._raise_bad_sharding) if sharded else (params, grads)
         verdict = _ops.check_grads(work_params, work_grads)
         if verdict >= 0:
             self._raise_bad_grad(params[verdict])
@@ -336,32 +265,11 @@ class AdamBase(torch.optim.Optimizer):
             for device, steps in plan.steps_by_device.items():
                 torch._foreach_sub_(steps, found_inf.to(device, non_blocking=True))
 
-    def _local_tensors(self, params: list[torch.Tensor], grads: list[torch.Tensor]):
-        """(params, grads) with every DTensor replaced by its local shard, after checking that a
-        DTensor parameter's gradient is a DTensor on the same mesh with the same placements (FSDP2's
-        reduce-scattered gradients are) and a plain parameter's gradient is not a DTensor."""
-        dtensor = _dtensor_class()
-        local_params, local_grads = [], []
-        for p, g in zip(params, grads):
-            p_is, g_is = isinstance(p, dtensor), isinstance(g, dtensor)
-            if p_is and g_is and g._spec.placements == p._spec.placements and g._spec.mesh == p._spec.mesh:
-                local_params.append(p._local_tensor)
-                local_grads.append(g._local_tensor)
-            elif not p_is and not g_is:
-                local_params.append(p)
-                local_grads.append(g)
-            else:
-                self._raise_bad_sharding(p, g)
-        return local_params, local_grads
-
     def _raise_bad_sharding(self, p: torch.Tensor, g: torch.Tensor) -> None:
-        def layout(t):
-            return f"a DTensor {tuple(t.placements)} on {t.device_mesh}" if hasattr(t, "placements") else "a plain tensor"
-
         where = next((_describe(gi, pi, p) for gi, group in enumerate(self.param_groups)
                       for pi, q in enumerate(group["params"]) if q is p), "a parameter")
-        raise ValueError(f"{where}: the parameter is {layout(p)}, its gradient {layout(g)} "
-                         "(they must be sharded alike)")
+        raise ValueError(f"{where}: the parameter is {sharding.describe_layout(p)}, its gradient "
+                         f"{sharding.describe_layout(g)} (they must be sharded alike)")
 
     def _raise_bad_grad(self, p: torch.Tensor) -> None:
         for gi, group in enumerate(self.param_groups):
@@ -406,7 +314,7 @@ class AdamBase(torch.optim.Optimizer):
             buckets.append(_Bucket(gi, device, eight_bit, index, bucket_params, states, lists, held, dict(setting)))
             steps_by_device[device] += [s["step"] for s in states]
         key = (id(state), state.version, self._plan_version, key[3])  # states may have been created
-        self._plan = _StepPlan(key, buckets, dict(steps_by_device), _has_dtensor(params))
+        self._plan = _StepPlan(key, buckets, dict(steps_by_device), sharding.has_dtensor(params))
         return self._plan
 
     def _cached_plan(self, params: list[torch.Tensor]) -> Optional["_StepPlan"]:
@@ -512,14 +420,14 @@ class AdamBase(torch.optim.Optimizer):
         ``torch.load(weights_only=True)`` reads it back."""
         sd = super().state_dict()
         sd["state"] = {k: checkpoint.portable_param_state(v) for k, v in sd["state"].items()}
-        if _dtensor_class() is not None:
+        if sharding.dtensor_class() is not None:
             # A DTensor parameter's (FSDP2) states are local shards here; in the state dict they are
-            # DTensors (checkpoint.sharded_param_state), so that torch.distributed.checkpoint saves
+            # DTensors (sharding.sharded_param_state), so that torch.distributed.checkpoint saves
             # and reloads each rank's part.
             for saved, group in zip(sd["param_groups"], self.param_groups):
                 for key, p in zip(saved["params"], group["params"]):
-                    if key in sd["state"] and isinstance(p, _dtensor_class()):
-                        sd["state"][key] = checkpoint.sharded_param_state(sd["state"][key], p)
+                    if key in sd["state"] and isinstance(p, sharding.dtensor_class()):
+                        sd["state"][key] = sharding.sharded_param_state(sd["state"][key], p)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -596,7 +504,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     seen, total = set(), 0
     for s in optimizer.state.values():
         for k, v in s.items():
-            v = _local(v) if isinstance(v, torch.Tensor) else v  # a DTensor state counts its local shard
+            v = sharding.local(v) if isinstance(v, torch.Tensor) else v  # a DTensor state counts its local shard
             if isinstance(v, torch.Tensor) and k not in ("qmap1", "qmap2") and v.data_ptr() not in seen:
                 seen.add(v.data_ptr())
                 total += v.numel() * v.element_size()

@@ -1,0 +1,42 @@
+"""The checks of an optimizer's hyperparameters, shared by the constructor, add_param_group,
+load_state_dict and GlobalOptimManager overrides."""
+import math
+
+import torch
+
+
+def check_hyperparameters(h: dict, where: str) -> None:
+    """Raise a ValueError naming ``where`` (``argument`` or ``param_groups[i]``) and the key."""
+    def name(key):
+        return f"{where}[{key!r}]" if where.startswith("param_groups") else f"{where} {key!r}"
+
+    def number(key):
+        v = h.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"Invalid {name(key)}: {v!r} (must be a float)")
+        return float(v)
+
+    for key in ("lr", "betas", "eps", "weight_decay", "optim_bits", "min_8bit_size"):
+        if key not in h:
+            raise ValueError(f"Invalid {name(key)}: missing")
+    lr = h["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Invalid {name('lr')}: a tensor of shape {tuple(lr.shape)} (must be a float)")
+    elif not math.isfinite(number("lr")) or lr < 0:
+        raise ValueError(f"Invalid {name('lr')}: {lr!r} (must be a finite float >= 0)")
+    betas = h["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"Invalid {name('betas')}: {betas!r} (must be a pair of floats)")
+    for i, b in enumerate(betas):
+        if isinstance(b, (bool, torch.Tensor)) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid {name('betas')}: betas[{i}] = {b!r} (must be a float in [0, 1))")
+    for key in ("eps", "weight_decay"):
+        v = number(key)
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"Invalid {name(key)}: {v!r} (must be a finite float >= 0)")
+    if isinstance(h["optim_bits"], bool) or h["optim_bits"] not in (8, 32):
+        raise ValueError(f"Invalid {name('optim_bits')}: {h['optim_bits']!r} (must be 8 or 32)")
+    m = h["min_8bit_size"]
+    if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+        raise ValueError(f"Invalid {name('min_8bit_size')}: {m!r} (must be an int >= 0)")

@@ -1,0 +1,195 @@
+"""DTensor parameters (FSDP2's fully_shard, or any Shard/Replicate DTensor): the optimizer updates
+their local shards and keeps states of the local shard only; a state dict presents those states
+as DTensors so that torch.distributed.checkpoint saves and loads each rank's part.
+
+pagedopt never imports torch.distributed.tensor itself (about 0.1 s): no parameter can be a DTensor
+before something else has imported it.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+from ..quant import STATE_BLOCK_SIZE
+from .state_keys import ABSMAX_KEYS, ABSMAX_LAYOUT_KEY, MOMENT_KEYS, TORCH_MOMENT_KEYS, refuse
+
+
+def dtensor_class():
+    """torch's DTensor class if torch.distributed.tensor has been imported, else None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def is_dtensor(t: Any) -> bool:
+    dtensor = dtensor_class()
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def has_dtensor(tensors) -> bool:
+    dtensor = dtensor_class()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
+
+
+def local(p: torch.Tensor) -> torch.Tensor:
+    """The tensor the kernels update for ``p``: its local shard if ``p`` is a DTensor, else ``p``.
+    ``_local_tensor`` is what ``DTensor.to_local()`` returns under no_grad (for a Parameter it
+    returns a fresh view of it, one more object per tensor and step); FSDP2's sharded parameter
+    data lives in it, so an in-place update of it updates the parameter."""
+    return p._local_tensor if is_dtensor(p) else p
+
+
+def local_numel(p: torch.Tensor) -> int:
+    return local(p).numel()
+
+
+def local_tensors(params: list[torch.Tensor], grads: list[torch.Tensor],
+                  on_mismatch: Callable[[torch.Tensor, torch.Tensor], None]):
+    """(params, grads) with every DTensor replaced by its local shard. A DTensor parameter's gradient
+    must be a DTensor on the same mesh with the same placements (FSDP2's reduce-scattered gradients
+    are) and a plain parameter's gradient plain; ``on_mismatch(p, g)`` raises otherwise."""
+    dtensor = dtensor_class()
+    local_params, local_grads = [], []
+    for p, g in zip(params, grads):
+        p_is, g_is = isinstance(p, dtensor), isinstance(g, dtensor)
+        if p_is and g_is and g._spec.placements == p._spec.placements and g._spec.mesh == p._spec.mesh:
+            local_params.append(p._local_tensor)
+            local_grads.append(g._local_tensor)
+        elif not p_is and not g_is:
+            local_params.append(p)
+            local_grads.append(g)
+        else:
+            on_mismatch(p, g)
+    return local_params, local_grads
+
+
+def describe_layout(t: torch.Tensor) -> str:
+    return f"a DTensor {tuple(t.placements)} on {t.device_mesh}" if is_dtensor(t) else "a plain tensor"
+
+
+# A DTensor parameter (FSDP2's fully_shard, or any DTensor sharding) keeps its states on its local
+# shard only: codes (or 32-bit moments) shaped like the local shard, and the absmax of the blocks of
+# that shard (blocks start at the shard's first element). In a state dict they are DTensors, so that
+# torch.distributed.checkpoint (get_optimizer_state_dict / set_optimizer_state_dict, dcp.save/load)
+# writes and reads each rank's part:
+#
+# * state1/state2: DTensor.from_local(local, mesh, the parameter's placements, shape and stride of
+#   the parameter): exactly the layout of the parameter, like torch's exp_avg/exp_avg_sq.
+# * absmax1/absmax2: ranks may hold different numbers of blocks (uneven shards, or shards that are
+#   not multiples of 256 elements), and DTensor's Shard follows torch.chunk's sizes, not these. So each
+#   rank's absmax is padded with zeros to the block count of the largest shard, B (computed from the
+#   global shape and placements, the same on every rank, with no communication), and the padded
+#   pieces form an even 1-D DTensor of slots * B entries: Shard(0) over each mesh dimension that
+#   shards the parameter, Replicate over the others (HSDP's replicas hold equal absmax).
+# * absmax_layout: int64 tensor [slots, B, aligned], the same on every rank (a replicated tensor
+#   for DCP). ``aligned`` (every shard is exactly B * 256 elements, so no padding) means the absmax
+#   DTensor is the absmax of the unsharded parameter, block for block: such a checkpoint reshards
+#   to any other aligned layout (another world size) and gathers (full_state_dict) into the state
+#   of an unsharded optimizer. Otherwise blocks belong to one layout, and load_state_dict refuses
+#   another one (DCP itself usually refuses first, with a size mismatch of absmax1).
+
+
+def _absmax_layout(p) -> tuple[int, int, list, bool]:
+    """(slots, B, absmax placements, aligned) of a DTensor parameter; see above."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = p.device_mesh, p.placements
+    largest = list(p.shape)
+    slots, out = 1, []
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            largest[placement.dim] = -(-largest[placement.dim] // mesh.size(dim))  # torch.chunk's first piece
+            slots *= mesh.size(dim)
+            out.append(Shard(0))
+        elif isinstance(placement, Replicate):
+            out.append(Replicate())
+        else:
+            raise ValueError(f"a parameter with placements {tuple(placements)}: pagedopt keeps states of "
+                             "Shard or Replicate parameters only")
+    blocks = -(-math.prod(largest) // STATE_BLOCK_SIZE)
+    return slots, blocks, out, slots * blocks * STATE_BLOCK_SIZE == p.numel()
+
+
+def sharded_param_state(state: Mapping, p) -> dict:
+    """A DTensor parameter's state as it goes into a state dict (see above); ``state`` holds local tensors."""
+    from torch.distributed.tensor import DTensor
+
+    out = dict(state)
+    mesh, placements = p.device_mesh, p.placements
+    for k in MOMENT_KEYS:
+        out[k] = DTensor.from_local(state[k], mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
+    if state["state1"].dtype == torch.uint8:
+        slots, blocks, absmax_placements, aligned = _absmax_layout(p)
+        for k in ABSMAX_KEYS:
+            local = state[k]
+            if local.numel() > blocks:
+                raise ValueError(f"a shard of {tuple(p.shape)} with placements {tuple(placements)} holds "
+                                 f"{local.numel()} blocks, more than the {blocks} of the largest chunk")
+            if local.numel() < blocks:
+                local = torch.cat([local, local.new_zeros(blocks - local.numel())])
+            out[k] = DTensor.from_local(local, mesh, absmax_placements, run_check=False,
+                                        shape=torch.Size((slots * blocks,)), stride=(1,))
+        out[ABSMAX_LAYOUT_KEY] = torch.tensor([slots, blocks, int(aligned)], dtype=torch.int64)
+    return out
+
+
+def localize_state(state: dict, p: torch.Tensor, where: str) -> dict:
+    """A saved state with its DTensors replaced by this rank's local tensors, checked against the
+    DTensor parameter ``p``: moments (and torch's exp_avg/exp_avg_sq) must have ``p``'s mesh,
+    placements and shape; absmax the layout of sharded_param_state for ``p``'s sharding (or an
+    aligned one, see above). A plain ``p`` takes no DTensor, a DTensor ``p`` no plain moments."""
+    p_sharded = is_dtensor(p)
+    for k, v in state.items():
+        if is_dtensor(v) and not p_sharded:
+            raise refuse(f"{where} {k!r} is a DTensor (a sharded checkpoint) but the parameter is not; "
+                          "gather it first (get_optimizer_state_dict with full_state_dict=True)")
+    if not p_sharded:
+        return state
+    out = dict(state)
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    for k in MOMENT_KEYS + TORCH_MOMENT_KEYS:
+        if k not in state:
+            continue
+        v = state[k]
+        if not is_dtensor(v):
+            raise refuse(f"{where} {k!r} is a plain tensor but the parameter is a DTensor with placements "
+                          f"{placements}: load a sharded checkpoint (get_optimizer_state_dict / "
+                          "set_optimizer_state_dict, torch.distributed.checkpoint)")
+        if v.device_mesh != mesh or tuple(v.placements) != placements:
+            raise refuse(f"{where} {k!r} is sharded as {tuple(v.placements)} on {v.device_mesh}, the "
+                          f"parameter as {placements} on {mesh}")
+        if tuple(v.shape) != tuple(p.shape):
+            raise refuse(f"{where} {k!r} has shape {tuple(v.shape)}, expected {tuple(p.shape)}")
+        out[k] = v.to_local()
+    if any(k in state for k in ABSMAX_KEYS):
+        slots, blocks, absmax_placements, aligned = _absmax_layout(p)
+        saved = state.get(ABSMAX_LAYOUT_KEY)
+        if not isinstance(saved, torch.Tensor) or saved.dtype != torch.int64 or tuple(saved.shape) != (3,):
+            raise refuse(f"{where} has no {ABSMAX_LAYOUT_KEY!r} (an int64 tensor [slots, blocks, aligned]) "
+                          "beside its sharded absmax")
+        saved_slots, saved_blocks, saved_aligned = (int(x) for x in saved.tolist())
+        if (saved_slots, saved_blocks) != (slots, blocks) and not (saved_aligned and aligned):
+            raise refuse(f"{where} absmax was saved with {saved_slots} shards of {saved_blocks} blocks, this "
+                          f"parameter has {slots} of {blocks}: 8-bit states of shards that are not multiples "
+                          f"of {STATE_BLOCK_SIZE} elements reload only at the world size (and mesh) they were "
+                          "saved at")
+        local_blocks = -(-local_numel(p) // STATE_BLOCK_SIZE)
+        for k in ABSMAX_KEYS:
+            v = state.get(k)
+            if v is None:
+                continue
+            if not is_dtensor(v) or v.device_mesh != mesh or tuple(v.placements) != tuple(absmax_placements) \
+                    or tuple(v.shape) != (slots * blocks,):
+                raise refuse(f"{where} {k!r} must be a DTensor of shape ({slots * blocks},) with placements "
+                              f"{tuple(absmax_placements)} on {mesh}, got "
+                              f"{tuple(v.placements) if is_dtensor(v) else 'a plain tensor'} of shape "
+                              f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
+            local = v.to_local()
+            if local.numel() != blocks:
+                raise refuse(f"{where} {k!r} holds {local.numel()} blocks on this rank, expected {blocks}")
+            out[k] = local[:local_blocks]
+    out.pop(ABSMAX_LAYOUT_KEY, None)
+    return out
