@@ -411,3 +411,59 @@ def test_ddp_nccl(tmp_path):
 def test_fsdp2_nccl(tmp_path, world):
     _gpus(world)
     _launch(_fsdp_scenario, world, "nccl", str(tmp_path), CLASSES)
+
+
+# ---------------------------------------------------------------------------------- README snippets
+def _readme_blocks() -> list[str]:
+    import re
+    import textwrap
+
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    with open(readme) as f:
+        text = f.read()
+    section = re.search(r"^## Distributed training.*?\n(.*?)(?=^## |\Z)", text, re.S | re.M).group(1)
+    return [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)\s*```", section, re.S)]
+
+
+class _Layers(torch.nn.Module):
+    """A model with .layers, as the FSDP2 snippet expects; blocks of 64 * 128 = 8192 weights
+    (8-bit states), sharded into 4096-element halves: whole 256-element blocks."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)])
+
+    def forward(self, x):
+        return self.layers[1](torch.tanh(self.layers[0](x)))
+
+
+def _readme_scenario(rank, world, device, ckpt_dir):
+    ddp_block, fsdp_block, dcp_block = _readme_blocks()
+    ns = {"model": _ddp_model(device), "device": device}
+    exec(ddp_block, ns)
+    _ddp_steps(ns["model"], ns["opt"], rank, device, 0, 2)
+    _all_equal_across_ranks(list(ns["model"].parameters()) + _flat_state(ns["opt"]), "README DDP snippet")
+
+    ns = {"model": _Layers().to(device)}
+    exec(fsdp_block, ns)
+    model, opt = ns["model"], ns["opt"]
+    _fsdp_steps(model, opt, 0, 2, 64, 64, device)
+    w = model.layers[0].weight
+    assert opt.state[w]["state1"].dtype == torch.uint8 and opt.state[w]["state1"].numel() == w.numel() // world
+    path = os.path.join(ckpt_dir, "readme_dcp")
+    ns["path"] = path
+    save_part, load_part = dcp_block.split("sd = ", 1)
+    exec(save_part, ns)  # get_optimizer_state_dict + dcp.save
+    dist.barrier()
+    ns2 = {"model": _Layers().to(device), "path": path}  # a resumed run: a new model and optimizer
+    exec(fsdp_block, ns2)
+    exec(save_part.split("dcp.save")[0], ns2)  # the snippet's imports
+    exec("sd = " + load_part, ns2)
+    for p, q in zip(model.parameters(), ns2["model"].parameters()):
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, ns2["opt"].state[q][k]), f"README DCP snippet: {k} not restored"
+
+
+def test_readme_distributed_snippets_gloo(tmp_path):
+    _launch(_readme_scenario, 2, "gloo", str(tmp_path))
