@@ -51,8 +51,28 @@ def adam8bit_step_reference(p, g, q1, q2, a1, a2, step, code1, code2, lr, beta1,
     return (pf.reshape(p.shape).to(p.dtype), nq1.reshape(p.shape), nq2.reshape(p.shape), na1, na2, m, v)
 
 
+def block_absmax_float64(x, blocksize=STATE_BLOCK_SIZE):
+    """Each block's largest finite |x|, in float64, computed from x alone (not by the code under
+    test): the oracle for a stored absmax. Exact for float32/bf16/fp16 inputs."""
+    flat = x.detach().reshape(-1).double()
+    flat = torch.where(torch.isfinite(flat), flat.abs(), torch.zeros_like(flat))
+    flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % blocksize)])
+    return flat.view(-1, blocksize).amax(dim=1)
+
+
+def half_ulp(x, dtype) -> torch.Tensor:
+    """Half the spacing of `dtype` (float32, bfloat16, float16) around |x|, in float64: the most
+    one round-to-nearest of x into dtype changes it (subnormals included)."""
+    mantissa = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}[dtype]
+    a = x.detach().double().abs().clamp_min(torch.finfo(dtype).tiny)
+    _, e = torch.frexp(a)  # a = f * 2^e with f in [0.5, 1)
+    return torch.ldexp(torch.full_like(a, 0.5), (e - 1 - mantissa).to(torch.int32))
+
+
 def quantization_error_bound(x, absmax, code):
-    """Elementwise bound on |dequantize(quantize(x)) - x| for a flat fp32 x and its blocks' absmax."""
+    """Elementwise bound on |dequantize(quantize(x)) - x| for a flat fp32 x and its blocks' absmax.
+    Pass the absmax of a reference (block_absmax_float64), not the one under test: a too small
+    stored absmax would shrink the bound along with the values it fails to cover."""
     per_elem = absmax.repeat_interleave(STATE_BLOCK_SIZE)[: x.numel()]
     safe = torch.where(per_elem > 0, per_elem, torch.ones_like(per_elem))
     bound = max_rounding_error(code, x / safe) * per_elem

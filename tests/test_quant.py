@@ -1,4 +1,13 @@
-"""Codebooks, the pure-torch reference quantizer, and the CPU quantize/dequantize ops."""
+"""Codebooks, the pure-torch reference quantizer, and the CPU quantize/dequantize ops.
+
+Independent oracles: bitsandbytes' dynamic maps (tests/data/bnb_dynamic_maps.json, made by
+scripts/make_bnb_codebook_fixture.py) for the codebooks, and float64 block maxima computed from the
+input alone (block_absmax_float64 in tests/reference.py) for every absmax, never the absmax of the
+implementation under test.
+"""
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given
@@ -8,7 +17,17 @@ from pagedopt import _ops
 from pagedopt.quant import (check_codebook, dequantize_blockwise_reference, dynamic_codebook,
                             max_rounding_error, nearest_code_reference, quantize_blockwise_reference)
 
+from reference import block_absmax_float64
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BNB_MAPS = Path(__file__).parent / "data" / "bnb_dynamic_maps.json"
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not (torch.cuda.is_available() and _ops.has_cuda_kernels()), reason="needs a CUDA GPU and the CUDA kernels")])]
+
+
+def absmax_float64(x, blocksize=256):
+    """Each block's largest finite |x|, in float64, from x alone (see tests/reference.py)."""
+    return block_absmax_float64(x, blocksize)
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -27,6 +46,41 @@ def test_dynamic_codebook_shape(signed):
     # seven decades, each linearly spaced, finer towards 1
     nonzero = code[code > 0]
     assert nonzero.min().item() < 1e-6
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_dynamic_codebook_equals_bitsandbytes_maps(signed):
+    """Value for value, bit for bit, bitsandbytes 0.50.2's create_dynamic_map(signed=True) and the
+    unsigned map (the fixture's provenance is in its "source" field): a codebook drifting by even
+    one float32 ulp, let alone 0.1%, breaks checkpoint compatibility."""
+    fixture = json.loads(BNB_MAPS.read_text())
+    expected = torch.tensor([float.fromhex(h) for h in fixture["signed" if signed else "unsigned"]],
+                            dtype=torch.float64)
+    assert expected.numel() == 256 and torch.equal(expected.float().double(), expected)  # float32 values
+    code = dynamic_codebook(signed)
+    assert code.dtype == torch.float32
+    diff = (code.double() - expected).abs()
+    assert torch.equal(code.double(), expected), (int((diff > 0).sum()), float(diff.max()))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_dynamic_codebook_matches_float64_construction(signed):
+    """A second, independent oracle: bitsandbytes' documented construction (seven decades
+    10^-6..10^0, each split into 2^(i + signed?0:1) linear steps over [0.1, 1], codes at the step
+    midpoints, mirrored when signed, plus 0 and 1), evaluated in float64. Each float32 code is
+    within 4 float32 ulps of it (linspace and the scaling round a few times in float32)."""
+    values = []
+    for i in range(7):
+        k = 2 ** (i + (0 if signed else 1))
+        for j in range(k):
+            mid = (0.1 + 0.9 * j / k + 0.1 + 0.9 * (j + 1) / k) / 2 * 10.0 ** (i - 6)
+            values += [mid, -mid] if signed else [mid]
+    values += [0.0, 1.0]
+    expected = torch.tensor(sorted(values), dtype=torch.float64)
+    code = dynamic_codebook(signed).double()
+    assert expected.numel() == 256
+    assert ((code - expected).abs() <= 4 * 2.0**-24 * expected.abs()).all(), \
+        ((code - expected).abs() / expected.abs().clamp_min(1e-30)).max()
 
 
 def test_check_codebook_rejects_unsorted():
@@ -56,6 +110,7 @@ def test_cpu_quantize_matches_reference(n, seed, signed, dtype, blocksize, scale
         x = x.abs()
     codes, absmax = _ops.quantize_blockwise(x, code, blocksize)
     ref_codes, ref_absmax = quantize_blockwise_reference(x, code, blocksize)
+    assert torch.equal(absmax.double(), absmax_float64(x, blocksize))
     assert torch.equal(absmax, ref_absmax)
     assert torch.equal(codes, ref_codes)
     out = _ops.dequantize_blockwise(codes, absmax, code, blocksize, torch.float32)
@@ -71,7 +126,11 @@ def test_round_trip_error_is_at_most_half_a_code_gap(n, seed, signed, scale):
         x = x.abs()
     codes, absmax = _ops.quantize_blockwise(x, code, 256)
     out = _ops.dequantize_blockwise(codes, absmax, code, 256, torch.float32)
-    per_elem_absmax = absmax.repeat_interleave(256)[:n]
+    # the bound's absmax is the float64 reference's, not the one under test (a too small stored
+    # absmax would shrink the bound with the values it fails to cover)
+    ref_absmax = absmax_float64(x, 256)
+    assert torch.equal(absmax.double(), ref_absmax)
+    per_elem_absmax = ref_absmax.float().repeat_interleave(256)[:n]
     normalized = x / per_elem_absmax
     bound = max_rounding_error(code, normalized) * per_elem_absmax
     # fp32 slack: x/absmax and code*absmax each round once (2^-24 relative to absmax).
@@ -82,14 +141,37 @@ def test_round_trip_error_is_at_most_half_a_code_gap(n, seed, signed, scale):
     assert torch.allclose(out.abs().max(), x.abs().max(), rtol=0.01)
 
 
-def test_nearest_code_ties_go_to_lower_index():
-    code = dynamic_codebook(True)
-    mid = (code[100] + code[101]) / 2
-    q = nearest_code_reference(mid.reshape(1), code)
-    q_op, _ = _ops.quantize_blockwise(torch.tensor([mid.item()] + [1.0] * 31), code, 32)
-    d_lo, d_hi = (mid - code[100]).abs(), (code[101] - mid).abs()
-    expected = 101 if d_hi < d_lo else 100
-    assert q.item() == expected and q_op[0].item() == expected
+def exact_ties(code):
+    """(i, midpoint) for adjacent codes code[i] < code[i+1] whose midpoint is an exact tie: (a+b)/2,
+    computed in float64, is a float32 value, and the float32 distances to both codes, computed as
+    the kernel does (fabsf(x - code[i]), fabsf(code[i+1] - x)), are exactly equal."""
+    ties = []
+    for i in range(code.numel() - 1):
+        a, b = code[i].reshape(1), code[i + 1].reshape(1)
+        mid64 = (a.double() + b.double()) / 2
+        mid = mid64.float()
+        if mid.double().item() != mid64.item():
+            continue
+        if ((mid - a).abs() == (b - mid).abs()).item():  # float32 arithmetic
+            ties.append((i, mid.item()))
+    return ties
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_nearest_code_ties_go_to_lower_index(signed):
+    code = dynamic_codebook(signed)
+    ties = exact_ties(code)
+    assert len(ties) >= 100, len(ties)  # most adjacent float32 codes have an exact midpoint
+    index = torch.tensor([i for i, _ in ties])
+    mids = torch.tensor([m for _, m in ties], dtype=torch.float32)
+    # reference: argmin over exactly equal distances must take the lower index
+    assert torch.equal(nearest_code_reference(mids, code).long(), index)
+    # CPU kernel: one block per tie whose absmax is 1.0, so the value is normalized as x * 1.0 = x
+    blocks = torch.ones(len(ties), 32)
+    blocks[:, 0] = mids
+    codes, absmax = _ops.quantize_blockwise(blocks.reshape(-1), code, 32)
+    assert torch.equal(absmax, torch.ones(len(ties)))
+    assert torch.equal(codes.reshape(len(ties), 32)[:, 0].long(), index)
 
 
 def test_all_zero_block_and_tail():
@@ -100,6 +182,33 @@ def test_all_zero_block_and_tail():
     assert absmax.tolist() == [0.0, 3.0]
     out = _ops.dequantize_blockwise(codes, absmax, code, 256, torch.float32)
     assert torch.equal(out, x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [256, 257, 511, 1000, 1024])
+def test_absmax_is_the_float64_block_max_even_at_the_last_index(dtype, n, device):
+    """Every block's largest |x| sits at its last index (255), and the tail block's at its last
+    element; some blocks' maxima are negative. The stored absmax must equal the float64 block max
+    exactly, and the maxima round-trip to within half a top-code gap of the reference absmax."""
+    code = dynamic_codebook(True)
+    g = torch.Generator().manual_seed(n)
+    x = torch.rand(n, generator=g) * 2 - 1
+    last = torch.cat([torch.arange(255, n, 256), torch.tensor([n - 1])]).unique()
+    x[last] = torch.linspace(2.0, 3.0, last.numel()) * torch.tensor([1.0, -1.0]).repeat(last.numel())[:last.numel()]
+    x = x.to(dtype)
+    ref = absmax_float64(x)
+    assert torch.equal(ref, x.double().abs()[last])  # the test's premise: the maxima are at `last`
+    codes, absmax = _ops.quantize_blockwise(x.to(device), code.to(device), 256)
+    codes, absmax = codes.cpu(), absmax.cpu()
+    assert torch.equal(absmax.double(), ref), (absmax.double() - ref)
+    _, ref_absmax = quantize_blockwise_reference(x, code, 256)
+    assert torch.equal(ref_absmax.double(), ref)
+    out = _ops.dequantize_blockwise(codes, absmax, code, 256, torch.float32).double()
+    xd = x.double()
+    per_elem = ref.repeat_interleave(256)[:n]
+    bound = max_rounding_error(code, (xd / per_elem).float()).double() * per_elem + 4 * 2.0**-24 * per_elem
+    assert ((out - xd).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("bad", ["blocksize", "code_dtype", "code_size", "codes_dtype", "absmax_size"])
