@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: setup demo test test-transformers-457 bench-smoke
+.PHONY: setup demo test test-transformers-457 bench-smoke mutation
 
 setup:
 	bash scripts/setup.sh
@@ -18,3 +18,8 @@ test-transformers-457: setup
 
 bench-smoke: setup
 	$(PYTHON) -m pytest -q tests/test_bench_smoke.py
+
+# Mutation check (tests/mutants.toml, report for tests/MUTATION.md): make mutation ARGS="--only NAME"
+# On a GPU machine: make mutation ARGS="--device"
+mutation: setup
+	$(PYTHON) scripts/mutation.py $(ARGS)

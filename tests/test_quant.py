@@ -235,3 +235,14 @@ def test_opcheck_quantize_ops(dtype):
     torch.library.opcheck(torch.ops.pagedopt.quantize_blockwise, (x, code, 256))
     codes, absmax = _ops.quantize_blockwise(x, code, 256)
     torch.library.opcheck(torch.ops.pagedopt.dequantize_blockwise, (codes, absmax, code, 256, dtype))
+
+
+def test_check_codebook_rejects_repeated_entries():
+    """A codebook with two equal neighbours has a code that nearest-code search can never pick; it
+    is refused (it must be strictly ascending)."""
+    from pagedopt.quant import check_codebook
+
+    code = dynamic_codebook(True).clone()
+    code[101] = code[100]
+    with pytest.raises(ValueError, match="strictly ascending"):
+        check_codebook(code)
