@@ -63,9 +63,8 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Optional
 
-GIB = 1 << 30
 BLOCK = 256  # elements per absmax block (pagedopt.quant.STATE_BLOCK_SIZE)
 STEP_BYTES = 4  # the fp32 scalar ``step`` of every parameter's state (pagedopt and torch alike)
 # CUDA context + loaded kernels + cuBLAS/cuDNN workspaces held outside torch's caching allocator:
@@ -75,46 +74,8 @@ CUDA_CONTEXT_BYTES = 768 << 20
 # pagedopt pages states in and out in chunks of about this many bytes (base._PAGED_CHUNK_BYTES).
 PAGED_CHUNK_BYTES = 64 << 20
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-# GPU capacities in GiB, nominal (as marketed: 24 GB cards hold 24 GiB); the usable amount is a
-# little smaller (the driver keeps some, ECC on some cards).
-GPUS = {
-    "T4": 16, "V100-16": 16, "V100-32": 32, "V100": 32, "A10": 24, "A10G": 24, "L4": 24, "L40S": 48,
-    "RTX3090": 24, "RTX4090": 24, "RTX5090": 32, "RTXA6000": 48, "A6000": 48,
-    "A100-40": 40, "A100-80": 80, "A100": 80, "H100-80": 80, "H100": 80, "H100-94": 94, "H200": 141,
-    "B200": 180, "MI300X": 192,
-}
-
-# Optimizer kinds: (label, state width or None for torch, paged).
-OPTIMIZERS = {
-    "adamw_torch": ("torch.optim.AdamW", None, False),
-    "adamw_8bit": ("pagedopt.AdamW8bit", 8, False),
-    "paged_adamw_8bit": ("pagedopt.PagedAdamW8bit", 8, True),
-    "adamw_32bit": ("pagedopt.AdamW32bit", 32, False),
-    "paged_adamw_32bit": ("pagedopt.PagedAdamW32bit", 32, True),
-}
-_ALIASES = {"adamw": "adamw_torch", "torch": "adamw_torch", "adam_torch": "adamw_torch", "adamw_torch_fused": "adamw_torch",
-            "adam_8bit": "adamw_8bit", "paged_adam_8bit": "paged_adamw_8bit", "adam_32bit": "adamw_32bit",
-            "paged_adam_32bit": "paged_adamw_32bit"}
-
-# Llama-like presets for --config NAME (published config.json values).
-PRESETS = {
-    "llama3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
-    "llama3.2-3b": dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-                        num_attention_heads=24, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
-    "llama2-7b": dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False),
-    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
-    "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False),
-    "llama2-13b": dict(model_type="llama", hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                       num_attention_heads=40, num_key_value_heads=40, vocab_size=32000, tie_word_embeddings=False),
-    "llama3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                       num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
-}
+from .memory_report import log_memory, memory_report, report_gib  # noqa: F401  (re-exported)
+from .memory_tables import _ALIASES, DTYPE_BYTES, GIB, GPUS, OPTIMIZERS, PRESETS  # noqa: F401
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -587,72 +548,6 @@ def main(argv=None) -> int:
     else:
         print(format_estimate(e, a.gpu))
     return 0
-
-
-# ------------------------------------------------------------------------------------------------
-# measuring a run
-# ------------------------------------------------------------------------------------------------
-def _unwrap(optimizer):
-    """The pagedopt (or torch) optimizer inside wrappers such as accelerate's AcceleratedOptimizer."""
-    seen = 0
-    while optimizer is not None and not hasattr(optimizer, "paging_stats") and hasattr(optimizer, "optimizer") and seen < 8:
-        optimizer, seen = optimizer.optimizer, seen + 1
-    return optimizer
-
-
-def memory_report(optimizer=None, device=None) -> dict:
-    """What the process holds now, in bytes:
-
-    * ``allocated_bytes``, ``reserved_bytes``, ``max_allocated_bytes``: torch.cuda.memory_allocated /
-      memory_reserved / max_memory_allocated of ``device`` (the current CUDA device); 0 without CUDA;
-    * ``rss_bytes``: the process's resident memory (psutil; absent without psutil);
-    * with ``optimizer``: ``optimizer_state_bytes`` (pagedopt.optim.base.optimizer_state_bytes), and for a
-      paged pagedopt optimizer ``paged_resident_bytes`` / ``paged_host_bytes`` (its paging_stats():
-      paged state bytes on a GPU / on the host) and ``unpaged_bytes`` (states that could not be paged,
-      e.g. on the CPU).
-    """
-    import torch
-
-    out: dict[str, Any] = {}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        out.update(allocated_bytes=int(torch.cuda.memory_allocated(dev)), reserved_bytes=int(torch.cuda.memory_reserved(dev)),
-                   max_allocated_bytes=int(torch.cuda.max_memory_allocated(dev)))
-    else:
-        out.update(allocated_bytes=0, reserved_bytes=0, max_allocated_bytes=0)
-    try:
-        import psutil
-
-        out["rss_bytes"] = int(psutil.Process().memory_info().rss)
-    except ImportError:
-        pass
-    opt = _unwrap(optimizer)
-    if opt is not None:
-        from .optim.base import optimizer_state_bytes
-
-        out["optimizer_state_bytes"] = int(optimizer_state_bytes(opt))
-        stats = opt.paging_stats() if hasattr(opt, "paging_stats") else None
-        if stats is not None:
-            out.update(paged_resident_bytes=int(stats.resident_bytes), paged_host_bytes=int(stats.host_bytes),
-                       unpaged_bytes=int(stats.unpaged_bytes))
-    return out
-
-
-def report_gib(report: dict, prefix: str = "mem/") -> dict:
-    """``memory_report()`` with ``*_bytes`` keys turned into ``{prefix}*_gib`` floats (for logs)."""
-    return {f"{prefix}{k[:-len('_bytes')]}_gib" if k.endswith("_bytes") else f"{prefix}{k}":
-            v / GIB if k.endswith("_bytes") else v for k, v in report.items()}
-
-
-def log_memory(step: int, every: int = 100, optimizer=None, log: Optional[Callable[[str], Any]] = print) -> Optional[dict]:
-    """In a plain loop: every ``every`` steps (when ``step % every == 0``), call ``log`` with one line
-    of :func:`memory_report` in GiB, and return the report (bytes, with ``step``); else None."""
-    if every <= 0 or step % every:
-        return None
-    rep = memory_report(optimizer)
-    if log is not None:
-        log(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in report_gib(rep, "").items()))
-    return {"step": step, **rep}
 
 
 if __name__ == "__main__":

@@ -157,6 +157,12 @@ class AdamBase(torch.optim.Optimizer):
             return self._pager.zeros(shape, dtype, device)
         return torch.zeros(shape, dtype=dtype, device=device)
 
+    def _state_copy(self, t: torch.Tensor, device) -> torch.Tensor:
+        """A copy of ``t`` on ``device`` in this optimizer's own state memory (paged when it pages)."""
+        out = self._state_zeros(t.shape, t.dtype, device)
+        out.copy_(t)
+        return out
+
     def _uses_8bit(self, config: dict, p: torch.Tensor) -> bool:
         """Whether a new state for ``p`` is 8-bit under ``config`` (its group and overrides)."""
         return config["optim_bits"] == 8 and p.numel() >= config["min_8bit_size"]
@@ -471,9 +477,7 @@ class AdamBase(torch.optim.Optimizer):
             if self._pager is not None:  # a paged optimizer's copy pages its states too
                 for k in ("state1", "state2", "absmax1", "absmax2"):
                     if isinstance(s.get(k), torch.Tensor):
-                        t = self._state_zeros(s[k].shape, s[k].dtype, s[k].device)
-                        t.copy_(s[k])
-                        s[k] = t
+                        s[k] = self._state_copy(s[k], s[k].device)
             table[p] = s
         self.state = table
 

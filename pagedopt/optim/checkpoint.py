@@ -250,9 +250,7 @@ def _materialize(opt: "AdamBase", fields: dict, p: torch.Tensor) -> dict:
             default = opt._codebooks_on(p.device)[QMAP_KEYS.index(k)]
             state[k] = default if torch.equal(v.cpu(), default.cpu()) else v.to(p.device, copy=True)
         elif k in MOMENT_KEYS + ABSMAX_KEYS:
-            t = opt._state_zeros(v.shape, v.dtype, p.device)
-            t.copy_(v)
-            state[k] = t
+            state[k] = opt._state_copy(v, p.device)
         else:
             state[k] = v
     return state
