@@ -357,3 +357,23 @@ def test_the_source_checkpoint_itself_loads():
         for k, v in src.state[q].items():
             assert torch.equal(opt.state[p][k], v), k
     step(opt, params, 7)
+
+
+def test_checkpoint_with_a_group_too_few_is_refused():
+    """A checkpoint of one group (with its states) for an optimizer of two groups: refused, nothing
+    changed (zip over the groups would otherwise load the first and silently keep the second)."""
+    import pagedopt
+
+    a, b = torch.randn(300, requires_grad=True), torch.randn(500, requires_grad=True)
+    opt = pagedopt.AdamW8bit([{"params": [a]}, {"params": [b], "lr": 3e-3}], min_8bit_size=256)
+    for p in (a, b):
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    sd = opt.state_dict()
+    sd = {"state": {0: sd["state"][0]}, "param_groups": sd["param_groups"][:1]}
+    before = {k: v.clone() for k, v in opt.state[a].items()}
+    with pytest.raises(ValueError, match="param groups"):
+        opt.load_state_dict(sd)
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["lr"] == 3e-3
+    for k, v in before.items():
+        assert torch.equal(opt.state[a][k], v), k

@@ -378,3 +378,9 @@ def test_a_checkpoint_codebook_is_used_for_its_parameter_only():
         expected, _ = quantize_blockwise_reference(m, code)
         assert torch.equal(opt2.state[p]["state1"], expected)
     assert torch.equal(opt2.state[fresh[0]]["qmap1"], linear)
+
+
+@pytest.mark.parametrize("cls", ALL_CLASSES, ids=lambda c: c.__name__)
+def test_weight_decay_kind_follows_the_class_name(cls):
+    """AdamW* decay decoupled (AdamW), Adam* add weight decay to the gradient (L2), as in torch."""
+    assert cls.decoupled == cls.__name__.replace("Paged", "").startswith("AdamW")
