@@ -246,3 +246,27 @@ def test_check_codebook_rejects_repeated_entries():
     code[101] = code[100]
     with pytest.raises(ValueError, match="strictly ascending"):
         check_codebook(code)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_max", [1e-39, 5e-39, 1.1e-38])
+def test_block_whose_max_is_subnormal_quantizes_to_the_code_of_zero(block_max, dtype, device):
+    """A block whose largest |x| is below the smallest normal float (1.17549435e-38) stores its
+    absmax but codes every value as 0.0, on every backend: 1 / absmax would be inf for 1e-39 (every
+    value saturating to an end code) and a huge finite scale for 5e-39, where the GPU, which flushes
+    subnormals, would disagree with the CPU. The block next to it is ordinary and must be unaffected."""
+    code = dynamic_codebook(True)
+    zero_code = int(nearest_code_reference(torch.zeros(1), code))
+    g = torch.Generator().manual_seed(7)
+    tiny = (torch.rand(256, generator=g) * 2 - 1) * block_max
+    tiny[17] = block_max
+    normal = torch.randn(256, generator=g)
+    x = torch.cat([tiny, normal]).to(dtype)
+    assert x[:256].abs().max().item() < 1.17549435e-38 and x[:256].abs().max().item() > 0  # the premise
+    codes, absmax = _ops.quantize_blockwise(x.to(device), code.to(device), 256)
+    codes, absmax = codes.cpu(), absmax.cpu()
+    assert torch.equal(absmax.double(), absmax_float64(x))
+    assert (codes[:256] == zero_code).all(), codes[:256].unique()
+    ref_codes, _ = quantize_blockwise_reference(x, code, 256)
+    assert torch.equal(codes, ref_codes)
