@@ -270,3 +270,23 @@ def test_block_whose_max_is_subnormal_quantizes_to_the_code_of_zero(block_max, d
     assert (codes[:256] == zero_code).all(), codes[:256].unique()
     ref_codes, _ = quantize_blockwise_reference(x, code, 256)
     assert torch.equal(codes, ref_codes)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tail", [1, 254, 255])
+def test_tail_block_reads_nothing_past_the_end(tail, dtype, device):
+    """x is a view of the first n elements of a longer tensor whose next element is far larger than
+    any of x's. A kernel that treats a tail block of 255 (or fewer) elements as a full block of 256
+    reads that element: the tail's absmax must still be the float64 max of x's own tail."""
+    code = dynamic_codebook(True)
+    n = 2 * 256 + tail
+    g = torch.Generator().manual_seed(tail)
+    big = torch.rand(n + 256, generator=g) * 2 - 1
+    big[n:] = 1000.0
+    x = big.to(dtype).to(device)[:n]  # offset 0: aligned, so a vector path is allowed
+    codes, absmax = _ops.quantize_blockwise(x, code.to(device), 256)
+    assert codes.shape == (n,)
+    assert torch.equal(absmax.cpu().double(), absmax_float64(x.cpu()))
+    ref_codes, _ = quantize_blockwise_reference(x.cpu(), code, 256)
+    assert torch.equal(codes.cpu(), ref_codes)
