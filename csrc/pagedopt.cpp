@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "pagedopt/adam_state_list.h"
+#include "pagedopt/quantized_state_list.h"
 
 extern "C" {
 // `import pagedopt._C` loads this library, which runs the registrations below.
@@ -37,6 +38,22 @@ TORCH_LIBRARY(pagedopt, m) {
       "Tensor[] grads, float lr, "
       "float beta1, float beta2, float eps, float weight_decay, bool decoupled, Tensor? grad_scale, "
       "Tensor? found_inf) -> ()");
+
+  // One fused step of the generic quantized-state engine (pagedopt/algorithms.h) over a list of
+  // tensors, for `algorithm` ("lion", "ademamix"). `states` holds one list of len(params) tensors
+  // per state key (state1, state2), key after key; a key with several moments holds them stacked.
+  // 8-bit: uint8 states, `absmax` laid out like `states` and one codebook per key in `qmaps`;
+  // 32-bit: float32 states, `absmax` and `qmaps` empty. `hyper`: the algorithm's
+  // hyperparameters in its documented order. `steps` as for adam8bit_step_.
+  m.def(
+      "quantized_step_(str algorithm, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, "
+      "Tensor(c!)[] absmax, Tensor[] steps, Tensor[] qmaps, float[] hyper, Tensor? grad_scale, "
+      "Tensor? found_inf) -> ()");
+
+  // The same step with the states, steps and codebooks held by a QuantizedStateList.
+  m.def(
+      "quantized_step_list_(__torch__.torch.classes.pagedopt.QuantizedStateList states, Tensor(a!)[] params, "
+      "Tensor[] grads, float[] hyper, Tensor? grad_scale, Tensor? found_inf) -> ()");
 
   // Validation of an optimizer's gradients in one call: the index of the first grads[i] that
   // does not match params[i] (strided layout, same dtype, shape and device, a float32 / bfloat16 /

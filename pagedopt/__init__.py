@@ -1,9 +1,13 @@
 """pagedopt: paged, 8-bit blockwise-quantized optimizers for PyTorch."""
-from .optim import (Adam, Adam8bit, Adam32bit, AdamBase, AdamW, AdamW8bit, AdamW32bit, GlobalOptimManager,
+from .optim import (AdEMAMix, AdEMAMix8bit, AdEMAMix32bit, Lion, Lion8bit, Lion32bit, PagedAdEMAMix,
+                    PagedAdEMAMix8bit, PagedAdEMAMix32bit, PagedLion, PagedLion8bit, PagedLion32bit, QuantizedOptimizer,
+                    Adam, Adam8bit, Adam32bit, AdamBase, AdamW, AdamW8bit, AdamW32bit, GlobalOptimManager,
                     PagedAdam, PagedAdam8bit, PagedAdam32bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit)
 from . import convert
 from .paging import PageManager
 
 __version__ = "0.1.0"
 __all__ = ["Adam", "Adam8bit", "Adam32bit", "AdamBase", "AdamW", "AdamW8bit", "AdamW32bit", "GlobalOptimManager", "PagedAdam",
-           "PagedAdam8bit", "PagedAdam32bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit", "PageManager"]
+           "PagedAdam8bit", "PagedAdam32bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit", "PageManager",
+           "QuantizedOptimizer", "Lion", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit",
+           "AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit"]

@@ -44,6 +44,17 @@ def adam8bit_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
                        float(weight_decay), bool(decoupled), grad_scale, found_inf)
 
 
+def quantized_step_(algorithm: str, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                    states: Sequence[Sequence[torch.Tensor]], absmax: Sequence[Sequence[torch.Tensor]], steps,
+                    qmaps: Sequence[torch.Tensor], hyper: Sequence[float], *,
+                    grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> None:
+    """One fused step of the generic engine (csrc/include/pagedopt/algorithms.h). ``states`` and
+    ``absmax`` hold one list per state key (``absmax`` and ``qmaps`` empty for 32-bit states)."""
+    ops.quantized_step_(algorithm, list(params), list(grads), [t for key in states for t in key],
+                        [t for key in absmax for t in key], list(steps), list(qmaps), [float(h) for h in hyper],
+                        grad_scale, found_inf)
+
+
 @torch.library.register_fake("pagedopt::quantize_blockwise")
 def _quantize_blockwise_fake(x, code, blocksize):
     torch._check(blocksize > 0)
@@ -120,4 +131,34 @@ def _prefetch_fake(t, to):
 
 @torch.library.register_fake("pagedopt::advise_preferred_location_")
 def _advise_fake(t, to):
+    return None
+
+
+@torch.library.register_fake("pagedopt::quantized_step_")
+def _quantized_step_fake(algorithm, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf):
+    torch._check(len(grads) == len(params) and len(steps) == len(params))
+    return None
+
+
+@torch._library.register_fake_class("pagedopt::QuantizedStateList")
+class FakeQuantizedStateList:
+    """What tracing sees of a torch.classes.pagedopt.QuantizedStateList (see FakeAdamStateList)."""
+
+    def __init__(self, algorithm, states, absmax, steps, qmaps):
+        self.algorithm, self.states, self.absmax, self.steps, self.qmaps = algorithm, states, absmax, steps, qmaps
+
+    @classmethod
+    def __obj_unflatten__(cls, flattened):
+        return cls(**dict(flattened))
+
+    def size(self) -> int:
+        return len(self.steps)
+
+
+@torch.library.register_fake("pagedopt::quantized_step_list_")
+def _quantized_step_list_fake(states, params, grads, hyper, grad_scale, found_inf):
+    # the held states are updated in place too (see _adam8bit_step_list_fake)
+    n = states.size()
+    torch._check(len(params) == n and len(grads) == n,
+                 lambda: f"quantized_step_list_: {len(params)} params, {len(grads)} grads, {n} held states")
     return None

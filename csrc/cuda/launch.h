@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace pagedopt {
@@ -21,5 +22,13 @@ void adam8bit_step_cuda_unchecked(at::TensorList params, at::TensorList grads, a
                                   double beta1, double beta2, double eps, double weight_decay, bool decoupled,
                                   const std::optional<at::Tensor>& grad_scale,
                                   const std::optional<at::Tensor>& found_inf);
+
+// The generic quantized-state step (csrc/cuda/quantized_step.cu); `eight_bit` as
+// check_quantized_step_args returned it.
+void quantized_step_cuda_unchecked(const std::string& algorithm, at::TensorList params, at::TensorList grads,
+                                   at::TensorList states, at::TensorList absmax, at::TensorList steps,
+                                   at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
+                                   const std::optional<at::Tensor>& grad_scale,
+                                   const std::optional<at::Tensor>& found_inf);
 
 }  // namespace pagedopt

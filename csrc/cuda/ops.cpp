@@ -5,6 +5,8 @@
 
 #include "launch.h"
 #include "pagedopt/adam_state_list.h"
+#include "pagedopt/algorithms.h"
+#include "pagedopt/quantized_state_list.h"
 #include "pagedopt/checks.h"
 
 namespace pagedopt {
@@ -36,9 +38,25 @@ void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
                                beta2, eps, weight_decay, decoupled, grad_scale, found_inf);
 }
 
+void quantized_step_cuda(c10::string_view algorithm, at::TensorList params, at::TensorList grads,
+                         at::TensorList states, at::TensorList absmax, at::TensorList steps, at::TensorList qmaps,
+                         c10::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_scale,
+                         const std::optional<at::Tensor>& found_inf) {
+  const std::string name(algorithm);
+  const bool eight_bit =
+      check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf);
+  if (!params.empty()) {
+    TORCH_CHECK(params[0].is_cuda(), "quantized_step_: the CUDA kernel got tensors on ", params[0].device());
+  }
+  quantized_step_cuda_unchecked(name, params, grads, states, absmax, steps, qmaps, hyper, eight_bit, grad_scale,
+                                found_inf);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pagedopt, CUDA, m) {
+  m.impl("quantized_step_", &quantized_step_cuda);
+  m.impl("quantized_step_list_", &quantized_step_list<quantized_step_cuda>);
   m.impl("quantize_blockwise", &quantize_blockwise_cuda);
   m.impl("dequantize_blockwise", &dequantize_blockwise_cuda);
   m.impl("adam8bit_step_", &adam8bit_step_cuda);

@@ -1,7 +1,12 @@
-from .adam import (Adam, Adam8bit, Adam32bit, AdamW, AdamW8bit, AdamW32bit, PagedAdam, PagedAdam8bit,
+from .adam import (AdamBase, Adam, Adam8bit, Adam32bit, AdamW, AdamW8bit, AdamW32bit, PagedAdam, PagedAdam8bit,
                    PagedAdam32bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit)
-from .base import AdamBase
+from .ademamix import (AdEMAMix, AdEMAMix8bit, AdEMAMix32bit, PagedAdEMAMix, PagedAdEMAMix8bit,
+                       PagedAdEMAMix32bit)
+from .base import QuantizedOptimizer
+from .lion import Lion, Lion8bit, Lion32bit, PagedLion, PagedLion8bit, PagedLion32bit
 from .global_manager import GlobalOptimManager
 
-__all__ = ["AdamBase", "GlobalOptimManager", "Adam", "Adam8bit", "Adam32bit", "AdamW", "AdamW8bit", "AdamW32bit", "PagedAdam",
-           "PagedAdam8bit", "PagedAdam32bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit"]
+__all__ = ["QuantizedOptimizer", "AdamBase", "GlobalOptimManager", "Adam", "Adam8bit", "Adam32bit", "AdamW", "AdamW8bit", "AdamW32bit", "PagedAdam",
+           "PagedAdam8bit", "PagedAdam32bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit",
+           "Lion", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit",
+           "AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit"]

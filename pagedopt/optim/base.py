@@ -1,11 +1,16 @@
-"""The one optimizer base class. Concrete optimizers (adam.py) only fix defaults.
+"""The one optimizer base class, QuantizedOptimizer: step planning, GradScaler, paging and
+checkpoints for every algorithm. An algorithm declares its states and hyperparameters in an
+AlgorithmSpec (algorithm.py); each public class is a short declaration (adam.py, lion.py,
+ademamix.py).
 
-State layout per parameter follows bitsandbytes, so checkpoints carry over:
+State layout per parameter follows bitsandbytes, so checkpoints carry over (Adam's shown; the
+spec says which keys an algorithm has):
 
 * 8-bit (``numel >= min_8bit_size``): ``state1``/``state2`` uint8 codes shaped like the
-  parameter, ``absmax1``/``absmax2`` float32 with one entry per 256-element block,
+  parameter (a state holding two stacked moments has shape ``(2, *param.shape)``),
+  ``absmax1``/``absmax2`` float32 with one entry per 256-element block (per moment),
   ``qmap1`` (signed codebook) / ``qmap2`` (unsigned codebook), ``step``.
-* 32-bit: ``state1``/``state2`` float32 shaped like the parameter, ``step``.
+* 32-bit: ``state1``/``state2`` float32 of the same shapes, ``step``.
 
 A DTensor parameter (FSDP2) keeps these states for its local shard only, as plain tensors; its
 state dict presents them as DTensors (see sharding.sharded_param_state).
@@ -23,6 +28,7 @@ import torch
 from .. import _ops
 from ..quant import STATE_BLOCK_SIZE, dynamic_codebook
 from . import checkpoint, sharding
+from .algorithm import AlgorithmSpec
 from .hyperparameters import check_hyperparameters
 from .global_manager import GlobalOptimManager
 from .state_table import StateTable
@@ -37,9 +43,6 @@ _PAGED_CHUNK_BYTES = 64 << 20
 _PAGED_SLAB_BYTES = 64 << 20
 
 
-_STATE_KEYS = {True: ("state1", "state2", "absmax1", "absmax2", "step"), False: ("state1", "state2", "step")}
-
-
 class _Bucket(NamedTuple):
     gi: int
     device: torch.device
@@ -47,8 +50,8 @@ class _Bucket(NamedTuple):
     index: list[int]           # positions in step()'s list of parameters with gradients
     params: list[torch.Tensor]
     states: list[dict]
-    lists: tuple               # one list per key of _STATE_KEYS[eight_bit]
-    held: Any                  # 8-bit: a torch.classes.pagedopt.AdamStateList of the same lists
+    lists: tuple               # one list per key of optimizer._bucket_keys(eight_bit)
+    held: Any                  # the same lists held by a C++ state list (optimizer._hold_states), or None
     override: dict             # GlobalOptimManager settings over the group's (lr, betas, eps, weight_decay)
 
 
@@ -59,7 +62,7 @@ class _StepPlan(NamedTuple):
     sharded: bool              # some parameter is a DTensor: kernels run on local shards (_local_tensors)
 
 
-def _run_update(optimizer: "AdamBase") -> None:
+def _run_update(optimizer: "QuantizedOptimizer") -> None:
     optimizer._update()
 
 
@@ -72,22 +75,16 @@ def _describe(gi: int, pi: int, p: torch.Tensor) -> str:
     return f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, {p.dtype}, {p.device})"
 
 
-class AdamBase(torch.optim.Optimizer):
-    """Adam with 8-bit blockwise-quantized or 32-bit states, optionally paged.
+class QuantizedOptimizer(torch.optim.Optimizer):
+    """An optimizer with 8-bit blockwise-quantized or 32-bit states, optionally paged; the
+    algorithm is the class's ``algorithm`` spec. ``defaults`` holds the param-group settings
+    (always ``lr``, ``betas``, ``weight_decay``, ``optim_bits``, ``min_8bit_size``)."""
 
-    ``decoupled`` (a class attribute of the concrete class) selects AdamW's decoupled
-    weight decay; otherwise weight decay is L2, added to the gradient, as in torch.optim.Adam.
-    """
-
-    decoupled: bool = False
+    algorithm: AlgorithmSpec
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, amsgrad: bool = False, optim_bits: int = 32, args: Any = None,
-                 min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True,
-                 is_paged: bool = False):
-        if amsgrad:
-            raise ValueError("amsgrad=True is not supported by pagedopt optimizers")
+    def __init__(self, params, defaults: dict, *, args: Any = None, percentile_clipping: int = 100,
+                 block_wise: bool = True, is_paged: bool = False):
         if args is not None:
             raise ValueError("args (a bitsandbytes GlobalOptimManager config) is not supported; "
                              "pass the settings as keyword arguments or per param group")
@@ -96,8 +93,6 @@ class AdamBase(torch.optim.Optimizer):
                              "only 100 (no clipping) is; clip gradients before step() instead")
         if not block_wise:
             raise ValueError("block_wise=False is not supported: states are always quantized in blocks of 256")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, optim_bits=optim_bits,
-                        min_8bit_size=min_8bit_size)
         self._check_hyperparameters(defaults, "argument")
         self._start_runtime(is_paged)
         super().__init__(params, defaults)
@@ -117,7 +112,10 @@ class AdamBase(torch.optim.Optimizer):
         self._plan = None
 
     # ------------------------------------------------------------------ validation
-    _check_hyperparameters = staticmethod(check_hyperparameters)
+    @classmethod
+    def _check_hyperparameters(cls, h: dict, where: str) -> None:
+        spec = cls.algorithm
+        check_hyperparameters(h, where, spec.betas, spec.has_eps, spec.check)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's add_param_group, with the group's settings checked before it is added."""
@@ -148,9 +146,21 @@ class AdamBase(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def _codebooks_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (signed, unsigned) dynamic codebooks on ``device``, shared by every parameter there."""
         if device not in self._codebooks:
             self._codebooks[device] = (dynamic_codebook(True, device), dynamic_codebook(False, device))
         return self._codebooks[device]
+
+    def _default_qmap(self, qmap_key: str, device: torch.device) -> torch.Tensor:
+        """The codebook this algorithm gives the state of ``qmap_key`` (``qmap1``...) on ``device``."""
+        spec = next(s for s in self.algorithm.states if s.qmap_key == qmap_key)
+        signed, unsigned = self._codebooks_on(device)
+        return signed if spec.signed else unsigned
+
+    def _bucket_keys(self, eight_bit: bool) -> tuple[str, ...]:
+        """The state keys a fused call takes, one list each: states, absmax (8-bit), step."""
+        spec = self.algorithm
+        return spec.state_keys + (spec.absmax_keys if eight_bit else ()) + ("step",)
 
     def _state_zeros(self, shape, dtype, device) -> torch.Tensor:
         if self._pager is not None:
@@ -167,12 +177,11 @@ class AdamBase(torch.optim.Optimizer):
         """Whether a new state for ``p`` is 8-bit under ``config`` (its group and overrides)."""
         return config["optim_bits"] == 8 and p.numel() >= config["min_8bit_size"]
 
-    @staticmethod
-    def _overrides(param_groups: list[dict]) -> dict[tuple[int, int], dict]:
+    def _overrides(self, param_groups: list[dict]) -> dict[tuple[int, int], dict]:
         """GlobalOptimManager's per-parameter settings for ``param_groups``, checked."""
         found = GlobalOptimManager.get_instance().overrides_for(param_groups)
         for (gi, pi), config in found.items():
-            AdamBase._check_hyperparameters({**param_groups[gi], **config},
+            self._check_hyperparameters({**param_groups[gi], **config},
                                             f"param_groups[{gi}] (GlobalOptimManager override of params[{pi}])")
         return found
 
@@ -185,28 +194,26 @@ class AdamBase(torch.optim.Optimizer):
             return state
         local = sharding.local(p)
         state["step"] = torch.zeros((), dtype=torch.float32, device=local.device)
-        if self._uses_8bit(config, p):
-            blocks = (local.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
-            state["state1"] = self._state_zeros(local.shape, torch.uint8, local.device)
-            state["state2"] = self._state_zeros(local.shape, torch.uint8, local.device)
-            state["absmax1"] = self._state_zeros((blocks,), torch.float32, local.device)
-            state["absmax2"] = self._state_zeros((blocks,), torch.float32, local.device)
-            state["qmap1"], state["qmap2"] = self._codebooks_on(local.device)
-        else:
-            state["state1"] = self._state_zeros(local.shape, torch.float32, local.device)
-            state["state2"] = self._state_zeros(local.shape, torch.float32, local.device)
+        eight_bit = self._uses_8bit(config, p)
+        blocks = (local.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
+        for spec in self.algorithm.states:
+            state[spec.key] = self._state_zeros(spec.shape(local.shape), torch.uint8 if eight_bit else torch.float32,
+                                                local.device)
+            if eight_bit:
+                state[spec.absmax_key] = self._state_zeros(spec.absmax_shape(blocks), torch.float32, local.device)
+                state[spec.qmap_key] = self._default_qmap(spec.qmap_key, local.device)
         return state
 
     # ------------------------------------------------------------------ step
     def step(self, closure: Optional[Callable[[], float]] = None):
-        """One Adam step over every parameter with a gradient; returns ``closure()`` if given.
+        """One optimizer step over every parameter with a gradient; returns ``closure()`` if given.
 
         Under ``torch.compile`` the update is a clean graph break: the closure is traced with the
         caller's code, the update (``_update``) runs eagerly through ``torch._disable_dynamo``, so
         compiled code (``fullgraph=False``) and ``torch.compile(opt.step)`` run the kernels of an
         eager step, bit for bit. Tracing it would gain nothing (each bucket is one fused kernel,
         opaque to inductor), would guard on every parameter and state, cannot annotate the states
-        mutated inside the AdamStateList (dynamo refuses it: UnsafeScriptObjectError), and cannot
+        mutated inside the C++ state list (dynamo refuses it: UnsafeScriptObjectError), and cannot
         trace the paged path's driver calls. torch's own optimizers do the same for what they
         cannot compile (``_disable_dynamo_if_unsupported``).
         """
@@ -262,10 +269,7 @@ class AdamBase(torch.optim.Optimizer):
             inf = None if found_inf is None else found_inf.to(device, non_blocking=True)
             bucket_grads = [work_grads[i] for i in bucket.index]
             bucket_params = [work_params[i] for i in bucket.index] if sharded else bucket.params
-            if bucket.eight_bit:
-                self._step_8bit(group, bucket, bucket_params, bucket_grads, contiguous, scale, inf)
-            else:
-                self._step_32bit(group, bucket, bucket_params, bucket_grads, contiguous, scale, inf)
+            self._step_bucket(group, bucket, bucket_params, bucket_grads, contiguous, scale, inf)
 
         if found_inf is not None:
             for device, steps in plan.steps_by_device.items():
@@ -305,7 +309,7 @@ class AdamBase(torch.optim.Optimizer):
             override = overrides.get((gi, pi), {})
             st = self._init_state({**self.param_groups[gi], **override}, p)
             eight_bit = st["state1"].dtype == torch.uint8
-            codebooks = (id(st["qmap1"]), id(st["qmap2"])) if eight_bit else None
+            codebooks = tuple(id(st[q]) for q in self.algorithm.qmap_keys) if eight_bit else None
             setting = tuple(sorted((k, v) for k, v in override.items() if k not in ("optim_bits", "min_8bit_size")))
             members[(gi, p.device, p.dtype, eight_bit, codebooks, setting)].append(i)
         buckets = []
@@ -313,10 +317,8 @@ class AdamBase(torch.optim.Optimizer):
         for (gi, device, _, eight_bit, _, setting), index in members.items():
             bucket_params = [params[i] for i in index]
             states = [state[p] for p in bucket_params]
-            lists = tuple([s[k] for s in states] for k in _STATE_KEYS[eight_bit])
-            held = None
-            if eight_bit:  # the C++ side holds the state lists; a step then passes params and gradients
-                held = torch.classes.pagedopt.AdamStateList(*lists, states[0]["qmap1"], states[0]["qmap2"])
+            lists = tuple([s[k] for s in states] for k in self._bucket_keys(eight_bit))
+            held = self._hold_states(lists, states[0], eight_bit)
             buckets.append(_Bucket(gi, device, eight_bit, index, bucket_params, states, lists, held, dict(setting)))
             steps_by_device[device] += [s["step"] for s in states]
         key = (id(state), state.version, self._plan_version, key[3])  # states may have been created
@@ -332,6 +334,15 @@ class AdamBase(torch.optim.Optimizer):
         if plan is not None and plan.key == (id(state), state.version, self._plan_version, tuple(map(id, params))):
             return plan
         return None
+
+    def _hold_states(self, lists: tuple, first_state: dict, eight_bit: bool):
+        """The bucket's state lists held by the C++ side, so that a step passes only parameters
+        and gradients (see quantized_state_list.h); ``first_state`` gives the codebooks."""
+        spec, n_keys = self.algorithm, len(self.algorithm.states)
+        return torch.classes.pagedopt.QuantizedStateList(
+            spec.engine, [t for lst in lists[:n_keys] for t in lst],
+            [t for lst in lists[n_keys:2 * n_keys] for t in lst] if eight_bit else [], lists[-1],
+            [first_state[q] for q in spec.qmap_keys] if eight_bit else [])
 
     @staticmethod
     def _contiguous_views(params: list[torch.Tensor], grads: list[torch.Tensor]):
@@ -354,14 +365,14 @@ class AdamBase(torch.optim.Optimizer):
             return everything
         from ..paging import split_by_bytes
 
-        keys = ("state1", "state2", "absmax1", "absmax2")
+        keys = self.algorithm.state_keys + self.algorithm.absmax_keys
         return split_by_bytes(everything[0], lambda j: sum(bucket.states[j][k].numel() * bucket.states[j][k].element_size()
                                                            for k in keys if k in bucket.states[j]), _PAGED_CHUNK_BYTES)
 
     def _paged_stages(self, bucket: "_Bucket", chunks: list[list[int]]):
         if self._pager is None or self._pager.all_resident():
             return range(len(chunks))
-        keys = ("state1", "state2", "absmax1", "absmax2")
+        keys = self.algorithm.state_keys + self.algorithm.absmax_keys
         return self._pager.stage([[bucket.states[j][k] for j in chunk for k in keys if k in bucket.states[j]]
                                   for chunk in chunks])
 
@@ -383,39 +394,22 @@ class AdamBase(torch.optim.Optimizer):
                 work_params, work_grads = self._contiguous_views(params, chunk_grads)
                 yield params, work_params, work_grads, lists
 
-    def _step_8bit(self, group: dict, bucket: "_Bucket", params, grads, contiguous: bool, grad_scale,
-                   found_inf) -> None:
-        """``params``/``grads``: the bucket's (local shards of DTensor parameters)."""
-        beta1, beta2 = group["betas"]
+    def _step_bucket(self, group: dict, bucket: "_Bucket", params, grads, contiguous: bool, grad_scale,
+                     found_inf) -> None:
+        """One fused call of the generic engine (quantized_step_) per bucket, or per chunk of it
+        while paged states are not resident. ``params``/``grads``: the bucket's (local shards of
+        DTensor parameters)."""
+        spec = self.algorithm
+        hyper = spec.hyper(group)
         if contiguous and (self._pager is None or self._pager.all_resident()):
-            _ops.ops.adam8bit_step_list_(
-                bucket.held, params, grads, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                float(group["weight_decay"]), self.decoupled, grad_scale, found_inf)
+            _ops.ops.quantized_step_list_(bucket.held, params, grads, hyper, grad_scale, found_inf)
             return
-        qmap1, qmap2 = bucket.states[0]["qmap1"], bucket.states[0]["qmap2"]
-        for params, work_params, work_grads, (state1, state2, absmax1, absmax2, steps) in self._bucket_chunks(
-                bucket, params, grads, contiguous):
-            _ops.ops.adam8bit_step_(
-                work_params, work_grads, state1, state2, absmax1, absmax2, steps, qmap1, qmap2,
-                float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                float(group["weight_decay"]), self.decoupled, grad_scale, found_inf)
-            if work_params is not params:
-                self._write_back(params, work_params)
-
-    def _step_32bit(self, group: dict, bucket: "_Bucket", params, grads, contiguous: bool, grad_scale,
-                    found_inf) -> None:
-        """32-bit states reuse torch's fused Adam/AdamW kernel (CPU and CUDA), on plain (local) tensors."""
-        beta1, beta2 = group["betas"]
-        fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
-        for params, work_params, work_grads, (state1, state2, steps) in self._bucket_chunks(bucket, params, grads,
-                                                                                              contiguous):
-            # torch's fused kernel wants params, grads and states of one dtype; states stay fp32.
-            if work_params[0].dtype != torch.float32:
-                work_params = [w.float() for w in work_params]
-                work_grads = [g.float() for g in work_grads]
-            fused(work_params, work_grads, state1, state2, [], steps, lr=float(group["lr"]), beta1=float(beta1),
-                  beta2=float(beta2), weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
-                  amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+        n_keys = len(spec.states)
+        qmaps = [bucket.states[0][q] for q in spec.qmap_keys] if bucket.eight_bit else []
+        for params, work_params, work_grads, lists in self._bucket_chunks(bucket, params, grads, contiguous):
+            absmax = lists[n_keys:2 * n_keys] if bucket.eight_bit else []
+            _ops.quantized_step_(spec.engine, work_params, work_grads, lists[:n_keys], absmax, lists[-1], qmaps,
+                                 hyper, grad_scale=grad_scale, found_inf=found_inf)
             if work_params is not params:
                 self._write_back(params, work_params)
 
@@ -475,7 +469,7 @@ class AdamBase(torch.optim.Optimizer):
         for p, s in saved_state.items():
             s = dict(s)
             if self._pager is not None:  # a paged optimizer's copy pages its states too
-                for k in ("state1", "state2", "absmax1", "absmax2"):
+                for k in self.algorithm.state_keys + self.algorithm.absmax_keys:
                     if isinstance(s.get(k), torch.Tensor):
                         s[k] = self._state_copy(s[k], s[k].device)
             table[p] = s
@@ -509,7 +503,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     for s in optimizer.state.values():
         for k, v in s.items():
             v = sharding.local(v) if isinstance(v, torch.Tensor) else v  # a DTensor state counts its local shard
-            if isinstance(v, torch.Tensor) and k not in ("qmap1", "qmap2") and v.data_ptr() not in seen:
+            if isinstance(v, torch.Tensor) and not k.startswith("qmap") and v.data_ptr() not in seen:
                 seen.add(v.data_ptr())
                 total += v.numel() * v.element_size()
     return total

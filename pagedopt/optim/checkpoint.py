@@ -28,7 +28,8 @@ from .state_keys import (ABSMAX_KEYS, ABSMAX_LAYOUT_KEY, BNB_NESTED_KEY, MOMENT_
                          TORCH_MOMENT_KEYS, refuse)
 
 if TYPE_CHECKING:
-    from .base import AdamBase
+    from .algorithm import AlgorithmSpec
+    from .base import QuantizedOptimizer
 
 def _param_name(gi: int, pi: int) -> str:
     return f"param_groups[{gi}]['params'][{pi}]"
@@ -110,9 +111,10 @@ def _unnest(saved: Mapping, where: str) -> dict:
     return flat
 
 
-def read_param_state(saved: Any, p: torch.Tensor, where: str) -> dict:
+def read_param_state(saved: Any, p: torch.Tensor, where: str, spec: "AlgorithmSpec") -> dict:
     """A validated parameter state in pagedopt's flat form (tensors not yet copied), with a float
-    'step' and, for a torch state, float32 'exp_avg'/'exp_avg_sq' to be converted. For a DTensor
+    'step' and, for a torch Adam state (``spec`` Adam's), float32 'exp_avg'/'exp_avg_sq' to be
+    converted. ``spec`` says which state keys, shapes and codebooks the state has. For a DTensor
     ``p`` the tensors are this rank's local ones, checked against ``p``'s local shard."""
     state = localize_state(_unnest(_as_mapping(saved, where), where), p, where)
     p = local(p)
@@ -123,7 +125,7 @@ def read_param_state(saved: Any, p: torch.Tensor, where: str) -> dict:
     out["step"] = read_step(state["step"], where)
     if "max_exp_avg_sq" in state:
         raise refuse(f"{where} 'max_exp_avg_sq': amsgrad states are not supported")
-    if any(k in state for k in TORCH_MOMENT_KEYS):
+    if spec.name == "adam" and any(k in state for k in TORCH_MOMENT_KEYS):
         if any(k in state for k in MOMENT_KEYS):
             raise refuse(f"{where} mixes torch keys ('exp_avg') with pagedopt keys ('state1')")
         # torch keeps the moments in the parameter's dtype; they become float32 here
@@ -132,31 +134,34 @@ def read_param_state(saved: Any, p: torch.Tensor, where: str) -> dict:
         for k in TORCH_MOMENT_KEYS:
             out[k] = _tensor(floats, k, where, torch.float32, p.shape)
         return out
+    foreign = [k for k in MOMENT_KEYS + ABSMAX_KEYS + QMAP_KEYS if k in state
+               and k not in spec.state_keys + spec.absmax_keys + spec.qmap_keys]
+    if foreign:
+        raise refuse(f"{where} {foreign[0]!r} is not a state of {spec.name} (its states: {', '.join(spec.state_keys)})")
     if "state1" not in state:
-        raise refuse(f"{where} has no 'state1' (nor torch's 'exp_avg')")
+        raise refuse(f"{where} has no 'state1'" + (" (nor torch's 'exp_avg')" if spec.name == "adam" else ""))
     first = state["state1"]
     dtype = first.dtype if isinstance(first, torch.Tensor) else None
     if dtype not in (torch.uint8, torch.float32):
         raise refuse(f"{where} 'state1' must be a uint8 (8-bit) or float32 (32-bit) tensor, got "
                       f"{dtype if dtype is not None else type(first).__name__}")
-    for k in MOMENT_KEYS:
-        out[k] = _tensor(state, k, where, dtype, p.shape)
+    for st in spec.states:
+        out[st.key] = _tensor(state, st.key, where, dtype, st.shape(p.shape))
     if dtype == torch.uint8:
         blocks = (p.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
-        for k in ABSMAX_KEYS:
-            out[k] = _tensor(state, k, where, torch.float32, (blocks,))
-            _check_finite(out[k], k, where, low=0.0)
-        for k in QMAP_KEYS:
-            out[k] = _tensor(state, k, where, torch.float32, (CODEBOOK_SIZE,))
-            _check_qmap(out[k], k, where)
+        for st in spec.states:
+            out[st.absmax_key] = _tensor(state, st.absmax_key, where, torch.float32, st.absmax_shape(blocks))
+            _check_finite(out[st.absmax_key], st.absmax_key, where, low=0.0)
+            out[st.qmap_key] = _tensor(state, st.qmap_key, where, torch.float32, (CODEBOOK_SIZE,))
+            _check_qmap(out[st.qmap_key], st.qmap_key, where)
     else:
-        stray = [k for k in ABSMAX_KEYS + QMAP_KEYS if k in state]
+        stray = [k for k in spec.absmax_keys + spec.qmap_keys if k in state]
         if stray:
             raise refuse(f"{where} {stray[0]!r} belongs to an 8-bit state, but 'state1' is float32")
     return out
 
 
-def read_group(opt: "AdamBase", gi: int, saved: Any, current: dict) -> dict:
+def read_group(opt: "QuantizedOptimizer", gi: int, saved: Any, current: dict) -> dict:
     """The param group after loading: the saved settings over the current ones (a key missing
     from the checkpoint, such as optim_bits in a torch or bitsandbytes checkpoint, keeps its value)."""
     where = f"param_groups[{gi}]"
@@ -174,7 +179,7 @@ def read_group(opt: "AdamBase", gi: int, saved: Any, current: dict) -> dict:
     return group
 
 
-def plan_load(opt: "AdamBase", state_dict: Any) -> tuple[list[dict], dict]:
+def plan_load(opt: "QuantizedOptimizer", state_dict: Any) -> tuple[list[dict], dict]:
     """(new param groups, new state by parameter), checked and allocated; the optimizer is not
     touched."""
     state_dict = _as_mapping(state_dict, "the state dict")
@@ -214,7 +219,7 @@ def plan_load(opt: "AdamBase", state_dict: Any) -> tuple[list[dict], dict]:
             raise refuse(f"'state' has an entry for id {key!r}, which no param group lists")
         gi, pi = params_at[key]
         p = new_groups[gi]["params"][pi]
-        read[(gi, pi)] = read_param_state(saved, p, _param_name(gi, pi))
+        read[(gi, pi)] = read_param_state(saved, p, _param_name(gi, pi), opt.algorithm)
 
     new_state = {}
     overrides = opt._overrides(new_groups)
@@ -227,7 +232,7 @@ def plan_load(opt: "AdamBase", state_dict: Any) -> tuple[list[dict], dict]:
     return new_groups, new_state
 
 
-def _from_torch(opt: "AdamBase", fields: dict, p: torch.Tensor, eight_bit: bool) -> dict:
+def _from_torch(opt: "QuantizedOptimizer", fields: dict, p: torch.Tensor, eight_bit: bool) -> dict:
     out = {k: v for k, v in fields.items() if k not in TORCH_MOMENT_KEYS}
     m, v = (fields[k].to(p.device) for k in TORCH_MOMENT_KEYS)
     if not eight_bit:
@@ -239,7 +244,7 @@ def _from_torch(opt: "AdamBase", fields: dict, p: torch.Tensor, eight_bit: bool)
     return out
 
 
-def _materialize(opt: "AdamBase", fields: dict, p: torch.Tensor) -> dict:
+def _materialize(opt: "QuantizedOptimizer", fields: dict, p: torch.Tensor) -> dict:
     """The parameter's new state on its device: states in fresh (paged, for a paged optimizer)
     tensors, the default codebooks shared."""
     state = {}
@@ -247,7 +252,7 @@ def _materialize(opt: "AdamBase", fields: dict, p: torch.Tensor) -> dict:
         if k == "step":
             state[k] = torch.tensor(v, dtype=torch.float32, device=p.device)
         elif k in QMAP_KEYS:
-            default = opt._codebooks_on(p.device)[QMAP_KEYS.index(k)]
+            default = opt._default_qmap(k, p.device)
             state[k] = default if torch.equal(v.cpu(), default.cpu()) else v.to(p.device, copy=True)
         elif k in MOMENT_KEYS + ABSMAX_KEYS:
             state[k] = opt._state_copy(v, p.device)

@@ -5,8 +5,10 @@ import math
 import torch
 
 
-def check_hyperparameters(h: dict, where: str) -> None:
-    """Raise a ValueError naming ``where`` (``argument`` or ``param_groups[i]``) and the key."""
+def check_hyperparameters(h: dict, where: str, n_betas: int = 2, has_eps: bool = True, extra=None) -> None:
+    """Raise a ValueError naming ``where`` (``argument`` or ``param_groups[i]``) and the key.
+    ``n_betas``: how many betas the algorithm takes, ``has_eps``: whether it takes eps;
+    ``extra(h, name)``: its own checks."""
     def name(key):
         return f"{where}[{key!r}]" if where.startswith("param_groups") else f"{where} {key!r}"
 
@@ -16,7 +18,7 @@ def check_hyperparameters(h: dict, where: str) -> None:
             raise ValueError(f"Invalid {name(key)}: {v!r} (must be a float)")
         return float(v)
 
-    for key in ("lr", "betas", "eps", "weight_decay", "optim_bits", "min_8bit_size"):
+    for key in ("lr", "betas", "weight_decay", "optim_bits", "min_8bit_size") + (("eps",) if has_eps else ()):
         if key not in h:
             raise ValueError(f"Invalid {name(key)}: missing")
     lr = h["lr"]
@@ -26,12 +28,13 @@ def check_hyperparameters(h: dict, where: str) -> None:
     elif not math.isfinite(number("lr")) or lr < 0:
         raise ValueError(f"Invalid {name('lr')}: {lr!r} (must be a finite float >= 0)")
     betas = h["betas"]
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"Invalid {name('betas')}: {betas!r} (must be a pair of floats)")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == n_betas):
+        what = {2: "a pair of floats", 3: "three floats"}.get(n_betas, f"{n_betas} floats")
+        raise ValueError(f"Invalid {name('betas')}: {betas!r} (must be {what})")
     for i, b in enumerate(betas):
         if isinstance(b, (bool, torch.Tensor)) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
             raise ValueError(f"Invalid {name('betas')}: betas[{i}] = {b!r} (must be a float in [0, 1))")
-    for key in ("eps", "weight_decay"):
+    for key in ("eps", "weight_decay") if has_eps else ("weight_decay",):
         v = number(key)
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"Invalid {name(key)}: {v!r} (must be a finite float >= 0)")
@@ -40,3 +43,5 @@ def check_hyperparameters(h: dict, where: str) -> None:
     m = h["min_8bit_size"]
     if not isinstance(m, int) or isinstance(m, bool) or m < 0:
         raise ValueError(f"Invalid {name('min_8bit_size')}: {m!r} (must be an int >= 0)")
+    if extra is not None:
+        extra(h, name)

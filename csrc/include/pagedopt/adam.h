@@ -16,6 +16,7 @@
 // formed in double and rounded once to float.
 #include <cmath>
 
+#include "pagedopt/approx_math.h"
 #include "pagedopt/common.h"
 
 namespace pagedopt {
@@ -62,28 +63,6 @@ inline AdamStepConstants adam_step_constants(const AdamHyper& h, float step) {
   const double t = static_cast<double>(step);
   adam_bias_constants(h.lr, std::pow(h.beta1, t), std::pow(h.beta2, t), c.step_size, c.inv_bias_correction2_sqrt);
   return c;
-}
-
-// sqrt(x) and a / b: on the GPU its fast approximations (sqrt.approx, div.approx; within 2 ulp,
-// inputs and results below 2^-126 flushed to zero), on the CPU IEEE operations.
-PAGEDOPT_HOST_DEVICE float approx_sqrt(float x) {
-#if defined(__CUDA_ARCH__)
-  float r;
-  asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-#else
-  return std::sqrt(x);
-#endif
-}
-
-PAGEDOPT_HOST_DEVICE float approx_div(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  float r;
-  asm("div.approx.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-#else
-  return a / b;
-#endif
 }
 
 // One element: `m` and `v` hold the dequantized moments and are updated in place; returns the new

@@ -4,6 +4,10 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
+#include <string>
+#include <utility>
+
 #include "pagedopt/common.h"
 
 namespace pagedopt {
@@ -109,6 +113,90 @@ inline void check_adam8bit_args(at::TensorList params, at::TensorList grads, at:
       TORCH_CHECK(t->device() == device, name, " is on ", t->device(), ", params on ", device);
     }
   }
+}
+
+}  // namespace pagedopt
+
+namespace pagedopt {
+
+// The arguments of quantized_step_ (see csrc/pagedopt.cpp) for an algorithm with `keys` state keys,
+// key k holding stacks[k] moments per parameter. Returns whether the states are 8-bit (uint8 codes
+// with absmax and codebooks) or 32-bit (float32, absmax and qmaps empty).
+inline bool check_quantized_step_args(int keys, const int* stacks, int hyper_count, at::TensorList params,
+                                      at::TensorList grads, at::TensorList states, at::TensorList absmax,
+                                      at::TensorList steps, at::TensorList qmaps, c10::ArrayRef<double> hyper,
+                                      const std::optional<at::Tensor>& grad_scale,
+                                      const std::optional<at::Tensor>& found_inf) {
+  const size_t n = params.size();
+  const size_t k = static_cast<size_t>(keys);
+  TORCH_CHECK(hyper.size() == static_cast<size_t>(hyper_count), "quantized_step_: hyper must hold ", hyper_count,
+              " values for this algorithm, got ", hyper.size());
+  TORCH_CHECK(grads.size() == n && steps.size() == n && states.size() == k * n,
+              "quantized_step_: expected ", n, " grads, ", n, " steps and ", k, " x ", n,
+              " states (one list per state key, key after key); got grads=", grads.size(), " steps=", steps.size(),
+              " states=", states.size());
+  const bool eight_bit = n > 0 && states[0].scalar_type() == at::kByte;
+  if (eight_bit) {
+    TORCH_CHECK(absmax.size() == k * n && qmaps.size() == k, "quantized_step_: 8-bit states need ", k, " x ", n,
+                " absmax tensors and ", k, " codebooks; got absmax=", absmax.size(), " qmaps=", qmaps.size());
+  } else {
+    TORCH_CHECK(absmax.empty() && qmaps.empty(),
+                "quantized_step_: 32-bit states take no absmax and no codebooks; got absmax=", absmax.size(),
+                " qmaps=", qmaps.size());
+  }
+  if (n == 0) return false;
+  const at::Device device = params[0].device();
+  for (size_t key = 0; eight_bit && key < k; ++key) {
+    const std::string name = "qmap" + std::to_string(key + 1);
+    check_codebook(qmaps[key], name.c_str(), device);
+  }
+  const at::ScalarType state_dtype = eight_bit ? at::kByte : at::kFloat;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const at::Tensor& g = grads[i];
+    TORCH_CHECK(p.device() == device, "params[", i, "] is on ", p.device(), ", params[0] on ", device);
+    TORCH_CHECK(is_supported_param_dtype(p.scalar_type()), "params[", i, "] has unsupported dtype ",
+                p.scalar_type(), " (float32, bfloat16, float16 are supported)");
+    TORCH_CHECK(p.is_contiguous(), "params[", i, "] must be contiguous");
+    TORCH_CHECK(g.layout() == at::kStrided, "grads[", i, "] is sparse; sparse gradients are not supported");
+    TORCH_CHECK(g.scalar_type() == p.scalar_type(), "grads[", i, "] has dtype ", g.scalar_type(), " but params[",
+                i, "] has dtype ", p.scalar_type());
+    TORCH_CHECK(g.sizes() == p.sizes(), "grads[", i, "] has shape ", g.sizes(), " but params[", i, "] has shape ",
+                p.sizes());
+    TORCH_CHECK(g.device() == device && g.is_contiguous(), "grads[", i, "] must be contiguous and on ", device);
+    const int64_t numel = p.numel();
+    const int64_t blocks = ceil_div(numel, kStateBlockSize);
+    for (size_t key = 0; key < k; ++key) {
+      const at::Tensor& s = states[key * n + i];
+      TORCH_CHECK(s.scalar_type() == state_dtype, "state", key + 1, "[", i, "] must be ", state_dtype,
+                  " (the states of one call share one width), got ", s.scalar_type());
+      TORCH_CHECK(s.numel() == stacks[key] * numel, "state", key + 1, "[", i, "] has ", s.numel(),
+                  " elements, expected ", stacks[key], " x ", numel);
+      TORCH_CHECK(s.is_contiguous() && s.device() == device, "state", key + 1, "[", i,
+                  "] must be contiguous and on ", device);
+      if (eight_bit) {
+        const at::Tensor& a = absmax[key * n + i];
+        TORCH_CHECK(a.scalar_type() == at::kFloat, "absmax", key + 1, "[", i, "] must be float32, got ",
+                    a.scalar_type());
+        TORCH_CHECK(a.numel() == stacks[key] * blocks, "absmax", key + 1, "[", i, "] must have ",
+                    stacks[key] * blocks, " elements (", stacks[key], " x one per ", kStateBlockSize, "), got ",
+                    a.numel());
+        TORCH_CHECK(a.is_contiguous() && a.device() == device, "absmax", key + 1, "[", i,
+                    "] must be contiguous and on ", device);
+      }
+    }
+    TORCH_CHECK(steps[i].scalar_type() == at::kFloat && steps[i].numel() == 1 && steps[i].device() == device,
+                "steps[", i, "] must be a float32 tensor with one element on ", device);
+  }
+  for (const auto& [t, name] : {std::pair<const std::optional<at::Tensor>&, const char*>{grad_scale, "grad_scale"},
+                                {found_inf, "found_inf"}}) {
+    if (t.has_value()) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == 1, name,
+                  " must be a float32 tensor with one element");
+      TORCH_CHECK(t->device() == device, name, " is on ", t->device(), ", params on ", device);
+    }
+  }
+  return eight_bit;
 }
 
 }  // namespace pagedopt

@@ -1,0 +1,124 @@
+// CPU kernel of the generic quantized-state engine: one fused step of any algorithm of
+// pagedopt/algorithms.h over a list of tensors, 8-bit (blockwise codes) or 32-bit states.
+// One pass per 256-element block: dequantize the block's moments, run the algorithm's update on
+// each element, then requantize with the block's new absmax.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <string>
+
+#include "pagedopt/algorithms.h"
+#include "pagedopt/checks.h"
+#include "pagedopt/codebook.h"
+#include "pagedopt/quantized_state_list.h"
+
+namespace pagedopt {
+namespace {
+
+// One tensor's moments: moment j's codes (or floats) and, 8-bit, its absmax and codebook.
+template <int kMoments>
+struct MomentPointers {
+  void* data[kMoments];
+  float* absmax[kMoments];
+  const float* code[kMoments];
+};
+
+template <typename Algo, typename scalar_t, bool kEightBit>
+void step_tensor(scalar_t* p, const scalar_t* g, int64_t n, const MomentPointers<Algo::kMoments>& mp,
+                 const typename Algo::Constants& c, float inv_scale) {
+  constexpr int M = Algo::kMoments;
+  const int64_t blocks = ceil_div(n, kStateBlockSize);
+  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+    float moments[M][kStateBlockSize];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t lo = b * kStateBlockSize;
+      const int64_t len = std::min<int64_t>(kStateBlockSize, n - lo);
+      float new_absmax[M] = {};
+      for (int64_t j = 0; j < len; ++j) {
+        const int64_t i = lo + j;
+        float s[M];
+        for (int k = 0; k < M; ++k) {
+          s[k] = kEightBit ? dequantize_value(mp.code[k], static_cast<const uint8_t*>(mp.data[k])[i], mp.absmax[k][b])
+                           : static_cast<const float*>(mp.data[k])[i];
+        }
+        const float gf = static_cast<float>(g[i]) * inv_scale;
+        p[i] = static_cast<scalar_t>(Algo::update(static_cast<float>(p[i]), gf, s, c));
+        if (kEightBit) {
+          const bool counts = counts_for_absmax(s);
+          for (int k = 0; k < M; ++k) {
+            moments[k][j] = s[k];
+            if (counts) new_absmax[k] = std::max(new_absmax[k], std::fabs(s[k]));
+          }
+        } else {
+          for (int k = 0; k < M; ++k) static_cast<float*>(mp.data[k])[i] = s[k];
+        }
+      }
+      if (kEightBit) {
+        for (int k = 0; k < M; ++k) {
+          const float inv = absmax_reciprocal(new_absmax[k]);
+          uint8_t* q = static_cast<uint8_t*>(mp.data[k]);
+          for (int64_t j = 0; j < len; ++j) q[lo + j] = quantize_value(mp.code[k], moments[k][j], inv);
+          mp.absmax[k][b] = new_absmax[k];
+        }
+      }
+    }
+  });
+}
+
+void quantized_step_cpu(c10::string_view algorithm, at::TensorList params, at::TensorList grads,
+                        at::TensorList states, at::TensorList absmax, at::TensorList steps, at::TensorList qmaps,
+                        c10::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_scale,
+                        const std::optional<at::Tensor>& found_inf) {
+  const std::string name(algorithm);
+  const bool eight_bit =
+      check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf);
+  if (found_inf.has_value() && found_inf->item<float>() != 0.0f) return;
+  with_algorithm(name, [&](auto algo) {
+    using Algo = decltype(algo);
+    constexpr int M = Algo::kMoments;
+    // g * (1 / grad_scale): exact for GradScaler's power-of-two scales, as the CUDA kernel does it.
+    const float inv_scale = grad_scale.has_value() ? 1.0f / grad_scale->item<float>() : 1.0f;
+    OptimizerHyper h{};
+    std::copy(hyper.begin(), hyper.end(), h.v);
+    const size_t n = params.size();
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t numel = params[i].numel();
+      if (numel == 0) continue;
+      const int64_t blocks = ceil_div(numel, kStateBlockSize);
+      MomentPointers<M> mp{};
+      for (int j = 0; j < M; ++j) {
+        const size_t key = static_cast<size_t>(Algo::key_of(j));
+        const int64_t stack = Algo::stack_of(j);
+        const at::Tensor& s = states[key * n + i];
+        mp.data[j] = static_cast<uint8_t*>(s.data_ptr()) + stack * numel * s.element_size();
+        if (eight_bit) {
+          mp.absmax[j] = absmax[key * n + i].data_ptr<float>() + stack * blocks;
+          mp.code[j] = qmaps[key].data_ptr<float>();
+        }
+      }
+      const auto c = Algo::constants(h, static_cast<double>(steps[i].item<float>()));
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[i].scalar_type(), "quantized_step_cpu", [&] {
+        auto* p = params[i].data_ptr<scalar_t>();
+        const auto* g = grads[i].data_ptr<scalar_t>();
+        if (eight_bit) {
+          step_tensor<Algo, scalar_t, true>(p, g, numel, mp, c, inv_scale);
+        } else {
+          step_tensor<Algo, scalar_t, false>(p, g, numel, mp, c, inv_scale);
+        }
+      });
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pagedopt, CPU, m) {
+  m.impl("quantized_step_", &quantized_step_cpu);
+  m.impl("quantized_step_list_", &quantized_step_list<quantized_step_cpu>);
+}
+
+}  // namespace pagedopt
