@@ -1,0 +1,167 @@
+"""The generic quantized-state engine (quantized_step_, csrc/include/pagedopt/algorithms.h) as the
+optimizers call it: argument checks that name the argument and change nothing, GradScaler's
+found_inf and grad_scale, and checkpoints of the Lion / AdEMAMix state layouts refused when a key
+or shape is foreign to the algorithm."""
+import copy
+
+import pytest
+import torch
+
+import pagedopt
+from pagedopt import _ops
+from pagedopt.quant import dynamic_codebook
+
+
+
+def lion_state(n, gen, eight_bit=True):
+    blocks = (n + 255) // 256
+    if eight_bit:
+        return dict(p=torch.randn(n, generator=gen), g=torch.randn(n, generator=gen),
+                    s=torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8),
+                    a=torch.rand(blocks, generator=gen) + 0.1, step=torch.tensor(3.0))
+    return dict(p=torch.randn(n, generator=gen), g=torch.randn(n, generator=gen), s=torch.randn(n, generator=gen),
+                step=torch.tensor(3.0))
+
+
+def run_lion(ts, hyper=(1e-3, 0.9, 0.99, 0.1), eight_bit=True, **kw):
+    qmaps = [dynamic_codebook(True)] if eight_bit else []
+    _ops.quantized_step_("lion", [t["p"] for t in ts], [t["g"] for t in ts], [[t["s"] for t in ts]],
+                         [[t["a"] for t in ts]] if eight_bit else [], [t["step"] for t in ts], qmaps, list(hyper), **kw)
+
+
+def snapshot(ts):
+    return [{k: v.clone() for k, v in t.items()} for t in ts]
+
+
+def assert_unchanged(ts, before):
+    for t, b in zip(ts, before):
+        for k in t:
+            assert torch.equal(t[k], b[k]), k
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("algorithm", "unknown algorithm 'adamax'"),
+    ("hyper", "hyper must hold 4 values"),
+    ("state_len", "state1[1] has 299 elements, expected 1 x 300"),
+    ("state_too_big", "state1[1] has 600 elements, expected 1 x 300"),
+    ("absmax_len", "absmax1[0] must have 4 elements"),
+    ("mixed_width", "state1[1] must be"),
+    ("grad_shape", "grads[1] has shape"),
+    ("qmap", "qmap1 must have 256 entries"),
+])
+def test_bad_arguments_name_the_argument_and_change_nothing(bad, message):
+    gen = torch.Generator().manual_seed(1)
+    ts = [lion_state(n, gen) for n in (1000, 300)]
+    algorithm, hyper, qmaps = "lion", [1e-3, 0.9, 0.99, 0.1], [dynamic_codebook(True)]
+    if bad == "algorithm":
+        algorithm = "adamax"
+    elif bad == "hyper":
+        hyper = hyper[:3]
+    elif bad == "state_len":
+        ts[1]["s"] = ts[1]["s"][:299].clone()
+    elif bad == "state_too_big":
+        ts[1]["s"] = torch.randint(0, 256, (600,), generator=gen, dtype=torch.uint8)
+    elif bad == "absmax_len":
+        ts[0]["a"] = ts[0]["a"][:3].clone()
+    elif bad == "mixed_width":
+        ts[1]["s"] = torch.randn(300, generator=gen)
+    elif bad == "grad_shape":
+        ts[1]["g"] = ts[1]["g"].reshape(3, 100)
+    elif bad == "qmap":
+        qmaps = [dynamic_codebook(True)[:255].clone()]
+    before = snapshot(ts)
+    with pytest.raises((RuntimeError, ValueError), match=message.replace("[", r"\[").replace("]", r"\]")):
+        _ops.quantized_step_(algorithm, [t["p"] for t in ts], [t["g"] for t in ts], [[t["s"] for t in ts]],
+                             [[t["a"] for t in ts]], [t["step"] for t in ts], qmaps, hyper)
+    assert_unchanged(ts, before)
+
+
+@pytest.mark.parametrize("eight_bit", [True, False])
+def test_found_inf_changes_nothing_and_grad_scale_divides(eight_bit):
+    gen = torch.Generator().manual_seed(2)
+    ts = [lion_state(n, gen, eight_bit) for n in (1000, 300)]
+    before = snapshot(ts)
+    run_lion(ts, eight_bit=eight_bit, found_inf=torch.tensor(1.0))
+    assert_unchanged(ts, before)
+    # gradients times 2^10 with grad_scale 2^10 step exactly as the unscaled ones (g * (1 / 2^10) is exact)
+    scaled = snapshot(ts)
+    for t in scaled:
+        t["g"] *= 1024.0
+    run_lion(ts, eight_bit=eight_bit)
+    run_lion(scaled, eight_bit=eight_bit, grad_scale=torch.tensor(1024.0), found_inf=torch.tensor(0.0))
+    for t, u in zip(ts, scaled):
+        for k in ("p", "s") + (("a",) if eight_bit else ()):
+            assert torch.equal(t[k], u[k]), k
+    assert not torch.equal(ts[0]["p"], before[0]["p"])  # the step moved the parameters
+
+
+def trained(cls, **kw):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(600)), torch.nn.Parameter(torch.randn(40, 30))]
+    opt = cls(params, min_8bit_size=100, **kw)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("cls, corrupt, message", [
+    (pagedopt.Lion8bit, lambda s: s.update(state2=s["state1"].clone()), "'state2' is not a state of lion"),
+    (pagedopt.Lion8bit, lambda s: s.update(absmax2=s["absmax1"].clone()), "'absmax2' is not a state of lion"),
+    (pagedopt.AdEMAMix8bit, lambda s: s.update(absmax1=s["absmax1"][0].clone()), "'absmax1' has shape"),
+    (pagedopt.AdEMAMix8bit, lambda s: s.update(state1=s["state1"][0].clone()), "'state1' has shape"),
+    (pagedopt.AdEMAMix32bit, lambda s: s.update(state1=s["state1"].reshape(-1).clone()), "'state1' has shape"),
+    (pagedopt.AdEMAMix8bit, lambda s: s.pop("state2"), "has no 'state2'"),
+])
+def test_checkpoint_foreign_to_the_algorithm_is_refused(cls, corrupt, message):
+    params, opt = trained(cls)
+    sd = copy.deepcopy(opt.state_dict())
+    corrupt(sd["state"][0])
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(sd)
+    after = opt.state_dict()
+    for key, st in before["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, after["state"][key][k]) if isinstance(v, torch.Tensor) else v == after["state"][key][k]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(betas=(0.9, 0.999)), r"betas.*three floats"),
+    (dict(t_alpha=-5), "t_alpha"),
+    (dict(t_beta3=0), "t_beta3"),
+    (dict(alpha=float("nan")), "alpha"),
+])
+def test_ademamix_refuses_bad_hyperparameters(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        pagedopt.AdEMAMix8bit([torch.nn.Parameter(torch.randn(10))], **kwargs)
+
+
+def test_lion_group_hyperparameters_are_checked_on_add():
+    opt = pagedopt.Lion8bit([torch.nn.Parameter(torch.randn(10))])
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['betas'\]"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(10))], "betas": (0.9, 1.5)})
+    assert len(opt.param_groups) == 1
+
+
+def test_an_element_whose_second_moment_overflows_counts_for_no_absmax():
+    """One gradient of 1e30 in a block: its nu overflows to inf while its m1 (1e29) and m2 stay
+    finite. It must count for none of the block's absmaxes, so the other 255 elements keep their
+    resolution (absmax1 is their own largest |m1|) and absmax2 stays finite."""
+    torch.manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(512))
+    opt = pagedopt.AdEMAMix8bit([p], min_8bit_size=1)
+    g = torch.randn(512)
+    g[7] = 1e30
+    p.grad = g.clone()
+    opt.step()
+    st = opt.state[p]
+    others = torch.ones(512, dtype=torch.bool)
+    others[7] = False
+    m1 = (1 - 0.9) * g  # the first step's m1 from zero moments (float32 rounding: within 2^-23 relative)
+    expected = m1[:256][others[:256]].abs().max()
+    assert torch.isfinite(st["absmax2"]).all() and torch.isfinite(st["absmax1"]).all()
+    assert torch.allclose(st["absmax1"][0, 0], expected, rtol=2.0**-22), (st["absmax1"][0, 0], expected)
+    zero = int((st["qmap1"] == 0).nonzero()[0])
+    assert (st["state1"][0, :256][others[:256]] != zero).float().mean() > 0.9  # not flattened to the code of 0.0
