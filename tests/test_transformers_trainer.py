@@ -43,7 +43,11 @@ pytestmark = pytest.mark.filterwarnings("ignore::pagedopt.paging.PagingFallbackW
 
 NAMES = ["pagedopt_adam", "pagedopt_adamw", "pagedopt_adam_8bit", "pagedopt_adamw_8bit", "pagedopt_adam_32bit",
          "pagedopt_adamw_32bit", "pagedopt_paged_adam", "pagedopt_paged_adamw", "pagedopt_paged_adam_8bit",
-         "pagedopt_paged_adamw_8bit", "pagedopt_paged_adam_32bit", "pagedopt_paged_adamw_32bit"]
+         "pagedopt_paged_adamw_8bit", "pagedopt_paged_adam_32bit", "pagedopt_paged_adamw_32bit",
+         "pagedopt_lion", "pagedopt_lion_8bit", "pagedopt_lion_32bit", "pagedopt_paged_lion",
+         "pagedopt_paged_lion_8bit", "pagedopt_paged_lion_32bit", "pagedopt_ademamix", "pagedopt_ademamix_8bit",
+         "pagedopt_ademamix_32bit", "pagedopt_paged_ademamix", "pagedopt_paged_ademamix_8bit",
+         "pagedopt_paged_ademamix_32bit"]
 VARIABLE_WIDTH = [n for n in NAMES if not n.endswith("bit")]  # the width is the optim_bits argument
 SEED, DATA_SEED = 0, 1
 # Hyperparameters unlike every default, so that each one is seen to come from the arguments.
@@ -60,13 +64,15 @@ def registered():
 
 def expected_class(name: str) -> type:
     """The class a name stands for, by the naming rule (pagedopt_paged_adamw_8bit -> PagedAdamW8bit)."""
-    words = {"paged": "Paged", "adam": "Adam", "adamw": "AdamW"}
+    words = {"paged": "Paged", "adam": "Adam", "adamw": "AdamW", "lion": "Lion", "ademamix": "AdEMAMix"}
     return getattr(pagedopt, "".join(words.get(w, w) for w in name[len("pagedopt_"):].split("_")))
 
 
 def expected_keys(name: str) -> set:
     """The optim_args keys a name accepts, by the rule of the README."""
-    keys = {"beta1", "beta2", "eps"}
+    keys = {"beta1", "beta2"} if "lion" in name else {"beta1", "beta2", "eps"}
+    if "ademamix" in name:
+        keys |= {"beta3", "alpha", "t_alpha", "t_beta3"}
     if name in VARIABLE_WIDTH:
         keys.add("optim_bits")
     if not name.endswith("32bit"):
@@ -90,8 +96,8 @@ def train(tmp_path, name, optim_args=None, steps=2, **kwargs):
 # ------------------------------------------------------------------ every name, through the Trainer
 def test_names_cover_every_class():
     classes = {getattr(pagedopt, n) for n in pagedopt.__all__}
-    optimizers = {c for c in classes if isinstance(c, type) and issubclass(c, pagedopt.AdamBase)
-                  and c is not pagedopt.AdamBase}
+    optimizers = {c for c in classes if isinstance(c, type) and issubclass(c, pagedopt.QuantizedOptimizer)
+                  and c not in (pagedopt.AdamBase, pagedopt.QuantizedOptimizer)}
     assert sorted(pagedopt_hf.NAMES) == sorted(NAMES)
     assert {e.cls for e in pagedopt_hf.NAMES.values()} == optimizers
     for name in NAMES:
@@ -111,8 +117,9 @@ def test_trainer_name(tmp_path, name, optim_args):
     opt = inner(trainer.optimizer)
     assert type(opt) is expected_class(name)
     assert opt.defaults["lr"] == args.learning_rate
-    assert opt.defaults["betas"] == (args.adam_beta1, args.adam_beta2)
-    assert opt.defaults["eps"] == args.adam_epsilon
+    betas = (args.adam_beta1, args.adam_beta2) + ((0.9999,) if "ademamix" in name else ())
+    assert tuple(opt.defaults["betas"]) == betas
+    assert opt.defaults.get("eps") == (None if "lion" in name else args.adam_epsilon)
     assert sorted({g["weight_decay"] for g in opt.param_groups}) == [0.0, args.weight_decay]
 
     eight_bit = name.endswith("_8bit") or "optim_bits=8" in (optim_args or "")

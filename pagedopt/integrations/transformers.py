@@ -23,9 +23,12 @@ TrainingArguments (``learning_rate``, ``adam_beta1``, ``adam_beta2``, ``adam_eps
 ``optim_args`` ("key=value,key=value") is parsed strictly: an unknown key, a repeated key or a
 bad value is a ValueError that lists the accepted keys. Accepted:
 
-* ``beta1``, ``beta2``, ``eps``: override adam_beta1, adam_beta2, adam_epsilon;
+* ``beta1``, ``beta2``, ``eps``: override adam_beta1, adam_beta2, adam_epsilon (Lion takes no
+  eps); the AdEMAMix names also take ``beta3`` (default 0.9999), ``alpha`` (5.0), ``t_alpha`` and
+  ``t_beta3`` (warm-up lengths in steps; none by default), as transformers' own ``ademamix`` names;
 * ``optim_bits`` (8 or 32): only for the names whose class takes the width as an argument
-  (``pagedopt_adam``, ``pagedopt_adamw``, ``pagedopt_paged_adam``, ``pagedopt_paged_adamw``;
+  (``pagedopt_adam``, ``pagedopt_adamw``, ``pagedopt_paged_adam``, ``pagedopt_paged_adamw``, and
+  the same for lion and ademamix;
   their default is 32, as in the classes);
 * ``min_8bit_size`` (int) and ``embeddings_32bit`` (true/false): for the names that can keep
   8-bit states (not the ``*_32bit`` ones, where they would do nothing).
@@ -87,8 +90,10 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from ..optim import (Adam, Adam8bit, Adam32bit, AdamW, AdamW8bit, AdamW32bit, GlobalOptimManager, PagedAdam,
-                     PagedAdam8bit, PagedAdam32bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit)
+from ..optim import (AdEMAMix, AdEMAMix8bit, AdEMAMix32bit, Adam, Adam8bit, Adam32bit, AdamW, AdamW8bit, AdamW32bit,
+                     GlobalOptimManager, Lion, Lion8bit, Lion32bit, PagedAdam, PagedAdam8bit, PagedAdam32bit,
+                     PagedAdamW, PagedAdamW8bit, PagedAdamW32bit, PagedAdEMAMix, PagedAdEMAMix8bit,
+                     PagedAdEMAMix32bit, PagedLion, PagedLion8bit, PagedLion32bit)
 
 __all__ = ["NAMES", "register", "optimizer_cls_and_kwargs", "parse_optim_args", "accepted_optim_args"]
 
@@ -112,7 +117,25 @@ NAMES: dict[str, OptimizerName] = {
     "pagedopt_paged_adamw_8bit": OptimizerName(PagedAdamW8bit, 8),
     "pagedopt_paged_adam_32bit": OptimizerName(PagedAdam32bit, 32),
     "pagedopt_paged_adamw_32bit": OptimizerName(PagedAdamW32bit, 32),
+    "pagedopt_lion": OptimizerName(Lion, None),
+    "pagedopt_lion_8bit": OptimizerName(Lion8bit, 8),
+    "pagedopt_lion_32bit": OptimizerName(Lion32bit, 32),
+    "pagedopt_paged_lion": OptimizerName(PagedLion, None),
+    "pagedopt_paged_lion_8bit": OptimizerName(PagedLion8bit, 8),
+    "pagedopt_paged_lion_32bit": OptimizerName(PagedLion32bit, 32),
+    "pagedopt_ademamix": OptimizerName(AdEMAMix, None),
+    "pagedopt_ademamix_8bit": OptimizerName(AdEMAMix8bit, 8),
+    "pagedopt_ademamix_32bit": OptimizerName(AdEMAMix32bit, 32),
+    "pagedopt_paged_ademamix": OptimizerName(PagedAdEMAMix, None),
+    "pagedopt_paged_ademamix_8bit": OptimizerName(PagedAdEMAMix8bit, 8),
+    "pagedopt_paged_ademamix_32bit": OptimizerName(PagedAdEMAMix32bit, 32),
 }
+
+# optim_args keys of each algorithm beyond the state width ones (Lion takes no eps; AdEMAMix's
+# third beta, alpha and warm-up lengths come only from optim_args, as for transformers' own
+# "ademamix" names: beta3=0.9999, alpha=5.0 and no warm-up unless given).
+_ALGORITHM_ARGS = {"adam": ("beta1", "beta2", "eps"), "lion": ("beta1", "beta2"),
+                   "ademamix": ("beta1", "beta2", "beta3", "alpha", "t_alpha", "t_beta3", "eps")}
 
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
@@ -129,7 +152,7 @@ def _entry(name) -> tuple[str, OptimizerName]:
 def accepted_optim_args(name) -> tuple[str, ...]:
     """The ``optim_args`` keys that ``name`` accepts."""
     _, entry = _entry(name)
-    keys = ["beta1", "beta2", "eps"]
+    keys = list(_ALGORITHM_ARGS[entry.cls.algorithm.name])
     if entry.bits is None:
         keys.append("optim_bits")
     if entry.bits != 32:
@@ -163,7 +186,7 @@ def _parse_value(key: str, value: str, optim_args: str):
     def bad(expected):
         return ValueError(f"optim_args {optim_args!r}: {key}={value!r} is not {expected}")
 
-    if key in ("beta1", "beta2", "eps"):
+    if key in ("beta1", "beta2", "beta3", "eps", "alpha"):
         try:
             v = float(value)
         except ValueError:
@@ -171,7 +194,7 @@ def _parse_value(key: str, value: str, optim_args: str):
         if not math.isfinite(v):
             raise bad("a finite float")
         return v  # ranges are checked by the optimizer, with its own messages
-    if key in ("min_8bit_size", "optim_bits"):
+    if key in ("min_8bit_size", "optim_bits", "t_alpha", "t_beta3"):
         try:
             v = int(value)
         except ValueError:
@@ -197,12 +220,16 @@ def optimizer_cls_and_kwargs(name, training_args, model: Optional[torch.nn.Modul
     name, entry = _entry(name)
     a = training_args
     opts = parse_optim_args(name, a.optim_args)
-    kwargs: dict[str, Any] = {
-        "lr": a.learning_rate,
-        "betas": (opts.get("beta1", a.adam_beta1), opts.get("beta2", a.adam_beta2)),
-        "eps": opts.get("eps", a.adam_epsilon),
-        "weight_decay": a.weight_decay,
-    }
+    betas = (opts.get("beta1", a.adam_beta1), opts.get("beta2", a.adam_beta2))
+    kwargs: dict[str, Any] = {"lr": a.learning_rate, "betas": betas, "weight_decay": a.weight_decay}
+    algorithm = entry.cls.algorithm.name
+    if algorithm != "lion":
+        kwargs["eps"] = opts.get("eps", a.adam_epsilon)
+    if algorithm == "ademamix":
+        kwargs["betas"] = betas + (opts.get("beta3", 0.9999),)
+        kwargs["alpha"] = opts.get("alpha", 5.0)
+        for key in ("t_alpha", "t_beta3"):
+            kwargs[key] = opts.get(key)
     for key in ("optim_bits", "min_8bit_size"):
         if key in opts:
             kwargs[key] = opts[key]
