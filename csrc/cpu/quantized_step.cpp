@@ -11,6 +11,7 @@
 #include <array>
 #include <string>
 
+#include "cpu_kernels.h"
 #include "pagedopt/algorithms.h"
 #include "pagedopt/checks.h"
 #include "pagedopt/codebook.h"
@@ -69,13 +70,13 @@ void step_tensor(scalar_t* p, const scalar_t* g, int64_t n, const MomentPointers
   });
 }
 
-void quantized_step_cpu(c10::string_view algorithm, at::TensorList params, at::TensorList grads,
-                        at::TensorList states, at::TensorList absmax, at::TensorList steps, at::TensorList qmaps,
-                        c10::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_scale,
-                        const std::optional<at::Tensor>& found_inf) {
-  const std::string name(algorithm);
-  const bool eight_bit =
-      check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf);
+}  // namespace
+
+void quantized_step_cpu_unchecked(const std::string& name, at::TensorList params, at::TensorList grads,
+                                  at::TensorList states, at::TensorList absmax, at::TensorList steps,
+                                  at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
+                                  const std::optional<at::Tensor>& grad_scale,
+                                  const std::optional<at::Tensor>& found_inf) {
   if (found_inf.has_value() && found_inf->item<float>() != 0.0f) return;
   with_algorithm(name, [&](auto algo) {
     using Algo = decltype(algo);
@@ -112,6 +113,20 @@ void quantized_step_cpu(c10::string_view algorithm, at::TensorList params, at::T
       });
     }
   });
+}
+
+
+namespace {
+
+void quantized_step_cpu(c10::string_view algorithm, at::TensorList params, at::TensorList grads,
+                        at::TensorList states, at::TensorList absmax, at::TensorList steps, at::TensorList qmaps,
+                        c10::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_scale,
+                        const std::optional<at::Tensor>& found_inf) {
+  const std::string name(algorithm);
+  const bool eight_bit =
+      check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf);
+  quantized_step_cpu_unchecked(name, params, grads, states, absmax, steps, qmaps, hyper, eight_bit, grad_scale,
+                               found_inf);
 }
 
 }  // namespace

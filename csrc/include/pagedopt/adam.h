@@ -18,6 +18,7 @@
 
 #include "pagedopt/approx_math.h"
 #include "pagedopt/common.h"
+#include "pagedopt/step_power.h"
 
 namespace pagedopt {
 
@@ -51,7 +52,8 @@ PAGEDOPT_HOST_DEVICE void adam_bias_constants(double lr, double beta1_pow_t, dou
   inv_bias_correction2_sqrt = static_cast<float>(1.0 / sqrt(1.0 - beta2_pow_t));
 }
 
-inline AdamStepConstants adam_step_constants(const AdamHyper& h, float step) {
+// Every constant at step `step` (beta^t by pow_step: the same floats on the CPU and the GPU).
+PAGEDOPT_HOST_DEVICE AdamStepConstants adam_step_constants(const AdamHyper& h, double step) {
   AdamStepConstants c;
   c.beta1 = static_cast<float>(h.beta1);
   c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
@@ -60,8 +62,8 @@ inline AdamStepConstants adam_step_constants(const AdamHyper& h, float step) {
   c.eps = static_cast<float>(h.eps);
   c.l2_decay = h.decoupled ? 0.0f : static_cast<float>(h.weight_decay);
   c.decay_factor = h.decoupled ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
-  const double t = static_cast<double>(step);
-  adam_bias_constants(h.lr, std::pow(h.beta1, t), std::pow(h.beta2, t), c.step_size, c.inv_bias_correction2_sqrt);
+  adam_bias_constants(h.lr, pow_step(h.beta1, step), pow_step(h.beta2, step), c.step_size,
+                      c.inv_bias_correction2_sqrt);
   return c;
 }
 

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <string>
 
+#include "pagedopt/algorithms/adam.h"
 #include "pagedopt/algorithms/ademamix.h"
 #include "pagedopt/algorithms/lion.h"
 #include "pagedopt/checks.h"
@@ -37,15 +38,17 @@ PAGEDOPT_UNROLL
   return ok;
 }
 
-// Calls f(Algorithm{}) for the algorithm of that name ("lion", "ademamix").
+// Calls f(Algorithm{}) for the algorithm of that name ("adam", "lion", "ademamix").
 template <typename F>
 void with_algorithm(const std::string& name, F&& f) {
-  if (name == "lion") {
+  if (name == "adam") {
+    f(Adam{});
+  } else if (name == "lion") {
     f(Lion{});
   } else if (name == "ademamix") {
     f(AdEMAMix{});
   } else {
-    TORCH_CHECK_VALUE(false, "quantized_step_: unknown algorithm '", name, "' (lion, ademamix)");
+    TORCH_CHECK_VALUE(false, "quantized_step_: unknown algorithm '", name, "' (adam, lion, ademamix)");
   }
 }
 
