@@ -1,5 +1,6 @@
 """pagedopt: paged, 8-bit blockwise-quantized optimizers for PyTorch."""
-from .optim import (AdEMAMix, AdEMAMix8bit, AdEMAMix32bit, Lion, Lion8bit, Lion32bit, PagedAdEMAMix,
+from .optim import (SGD, Adagrad, Adagrad8bit, Adagrad32bit, RMSprop, RMSprop8bit, RMSprop32bit, SGD8bit, SGD32bit,
+                    AdEMAMix, AdEMAMix8bit, AdEMAMix32bit, Lion, Lion8bit, Lion32bit, PagedAdEMAMix,
                     PagedAdEMAMix8bit, PagedAdEMAMix32bit, PagedLion, PagedLion8bit, PagedLion32bit, QuantizedOptimizer,
                     Adam, Adam8bit, Adam32bit, AdamBase, AdamW, AdamW8bit, AdamW32bit, GlobalOptimManager,
                     PagedAdam, PagedAdam8bit, PagedAdam32bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit)
@@ -10,4 +11,5 @@ __version__ = "0.1.0"
 __all__ = ["Adam", "Adam8bit", "Adam32bit", "AdamBase", "AdamW", "AdamW8bit", "AdamW32bit", "GlobalOptimManager", "PagedAdam",
            "PagedAdam8bit", "PagedAdam32bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit", "PageManager",
            "QuantizedOptimizer", "Lion", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit",
-           "AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit"]
+           "AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit",
+           "SGD", "SGD8bit", "SGD32bit", "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adagrad", "Adagrad8bit", "Adagrad32bit"]

@@ -47,7 +47,9 @@ NAMES = ["pagedopt_adam", "pagedopt_adamw", "pagedopt_adam_8bit", "pagedopt_adam
          "pagedopt_lion", "pagedopt_lion_8bit", "pagedopt_lion_32bit", "pagedopt_paged_lion",
          "pagedopt_paged_lion_8bit", "pagedopt_paged_lion_32bit", "pagedopt_ademamix", "pagedopt_ademamix_8bit",
          "pagedopt_ademamix_32bit", "pagedopt_paged_ademamix", "pagedopt_paged_ademamix_8bit",
-         "pagedopt_paged_ademamix_32bit"]
+         "pagedopt_paged_ademamix_32bit", "pagedopt_sgd", "pagedopt_sgd_8bit", "pagedopt_sgd_32bit", "pagedopt_rmsprop",
+         "pagedopt_rmsprop_8bit", "pagedopt_rmsprop_32bit", "pagedopt_adagrad", "pagedopt_adagrad_8bit",
+         "pagedopt_adagrad_32bit"]
 VARIABLE_WIDTH = [n for n in NAMES if not n.endswith("bit")]  # the width is the optim_bits argument
 SEED, DATA_SEED = 0, 1
 # Hyperparameters unlike every default, so that each one is seen to come from the arguments.
@@ -64,7 +66,8 @@ def registered():
 
 def expected_class(name: str) -> type:
     """The class a name stands for, by the naming rule (pagedopt_paged_adamw_8bit -> PagedAdamW8bit)."""
-    words = {"paged": "Paged", "adam": "Adam", "adamw": "AdamW", "lion": "Lion", "ademamix": "AdEMAMix"}
+    words = {"paged": "Paged", "adam": "Adam", "adamw": "AdamW", "lion": "Lion", "ademamix": "AdEMAMix", "sgd": "SGD",
+             "rmsprop": "RMSprop", "adagrad": "Adagrad"}
     return getattr(pagedopt, "".join(words.get(w, w) for w in name[len("pagedopt_"):].split("_")))
 
 
@@ -73,6 +76,10 @@ def expected_keys(name: str) -> set:
     keys = {"beta1", "beta2"} if "lion" in name else {"beta1", "beta2", "eps"}
     if "ademamix" in name:
         keys |= {"beta3", "alpha", "t_alpha", "t_beta3"}
+    for algorithm, own in (("sgd", {"momentum", "dampening", "nesterov"}), ("rmsprop", {"alpha", "eps"}),
+                           ("adagrad", {"eps"})):
+        if algorithm in name:
+            keys = set(own)
     if name in VARIABLE_WIDTH:
         keys.add("optim_bits")
     if not name.endswith("32bit"):
@@ -105,7 +112,14 @@ def test_names_cover_every_class():
         assert set(pagedopt_hf.accepted_optim_args(name)) == expected_keys(name)
 
 
-CASES = ([(n, None) for n in NAMES] + [(n, "optim_bits=8") for n in VARIABLE_WIDTH]
+def with_momentum(name, optim_args):
+    """SGD keeps states (the momentum buffers under test here) only with momentum."""
+    if "sgd" not in name:
+        return optim_args
+    return "momentum=0.9" + (f",{optim_args}" if optim_args else "")
+
+
+CASES = ([(n, with_momentum(n, None)) for n in NAMES] + [(n, with_momentum(n, "optim_bits=8")) for n in VARIABLE_WIDTH]
          + [("pagedopt_adamw_8bit", "embeddings_32bit=false"),
             ("pagedopt_paged_adam", "optim_bits=8,embeddings_32bit=False")])
 
@@ -117,9 +131,13 @@ def test_trainer_name(tmp_path, name, optim_args):
     opt = inner(trainer.optimizer)
     assert type(opt) is expected_class(name)
     assert opt.defaults["lr"] == args.learning_rate
-    betas = (args.adam_beta1, args.adam_beta2) + ((0.9999,) if "ademamix" in name else ())
-    assert tuple(opt.defaults["betas"]) == betas
-    assert opt.defaults.get("eps") == (None if "lion" in name else args.adam_epsilon)
+    if any(a in name for a in ("adam", "lion", "ademamix")):
+        betas = (args.adam_beta1, args.adam_beta2) + ((0.9999,) if "ademamix" in name else ())
+        assert tuple(opt.defaults["betas"]) == betas
+        assert opt.defaults.get("eps") == (None if "lion" in name else args.adam_epsilon)
+    else:  # SGD, RMSprop, Adagrad take neither betas nor adam_epsilon (their own defaults, or optim_args)
+        assert "betas" not in opt.defaults
+        assert opt.defaults.get("eps") == {"sgd": None, "rmsprop": 1e-8, "adagrad": 1e-10}[name.split("_")[1]]
     assert sorted({g["weight_decay"] for g in opt.param_groups}) == [0.0, args.weight_decay]
 
     eight_bit = name.endswith("_8bit") or "optim_bits=8" in (optim_args or "")
@@ -329,3 +347,15 @@ def test_resume_in_new_process_is_exact(resumed, name):
     assert all(not torch.equal(at_checkpoint[k], want[k]) for k in at_checkpoint)
     other = tiny.make_model(OTHER_SEED).state_dict()
     assert all(not torch.equal(other[k], at_checkpoint[k]) for k in at_checkpoint)
+
+
+def test_plain_sgd_name_keeps_no_state(tmp_path):
+    """pagedopt_sgd without momentum: torch's plain SGD, every parameter's state only its step."""
+    before = {k: v.clone() for k, v in tiny.make_model(SEED).state_dict().items()}
+    model, args, trainer = train(tmp_path, "pagedopt_sgd_8bit")
+    opt = inner(trainer.optimizer)
+    assert opt.defaults["momentum"] == 0
+    for p in model.parameters():
+        assert set(opt.state[p]) == {"step"} and opt.state[p]["step"].item() == 2
+    after = model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)

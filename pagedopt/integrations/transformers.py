@@ -90,7 +90,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from ..optim import (AdEMAMix, AdEMAMix8bit, AdEMAMix32bit, Adam, Adam8bit, Adam32bit, AdamW, AdamW8bit, AdamW32bit,
+from ..optim import (SGD, Adagrad, Adagrad8bit, Adagrad32bit, RMSprop, RMSprop8bit, RMSprop32bit, SGD8bit, SGD32bit,
+                     AdEMAMix, AdEMAMix8bit, AdEMAMix32bit, Adam, Adam8bit, Adam32bit, AdamW, AdamW8bit, AdamW32bit,
                      GlobalOptimManager, Lion, Lion8bit, Lion32bit, PagedAdam, PagedAdam8bit, PagedAdam32bit,
                      PagedAdamW, PagedAdamW8bit, PagedAdamW32bit, PagedAdEMAMix, PagedAdEMAMix8bit,
                      PagedAdEMAMix32bit, PagedLion, PagedLion8bit, PagedLion32bit)
@@ -129,13 +130,24 @@ NAMES: dict[str, OptimizerName] = {
     "pagedopt_paged_ademamix": OptimizerName(PagedAdEMAMix, None),
     "pagedopt_paged_ademamix_8bit": OptimizerName(PagedAdEMAMix8bit, 8),
     "pagedopt_paged_ademamix_32bit": OptimizerName(PagedAdEMAMix32bit, 32),
+    "pagedopt_sgd": OptimizerName(SGD, None),
+    "pagedopt_sgd_8bit": OptimizerName(SGD8bit, 8),
+    "pagedopt_sgd_32bit": OptimizerName(SGD32bit, 32),
+    "pagedopt_rmsprop": OptimizerName(RMSprop, None),
+    "pagedopt_rmsprop_8bit": OptimizerName(RMSprop8bit, 8),
+    "pagedopt_rmsprop_32bit": OptimizerName(RMSprop32bit, 32),
+    "pagedopt_adagrad": OptimizerName(Adagrad, None),
+    "pagedopt_adagrad_8bit": OptimizerName(Adagrad8bit, 8),
+    "pagedopt_adagrad_32bit": OptimizerName(Adagrad32bit, 32),
 }
 
 # optim_args keys of each algorithm beyond the state width ones (Lion takes no eps; AdEMAMix's
 # third beta, alpha and warm-up lengths come only from optim_args, as for transformers' own
 # "ademamix" names: beta3=0.9999, alpha=5.0 and no warm-up unless given).
 _ALGORITHM_ARGS = {"adam": ("beta1", "beta2", "eps"), "lion": ("beta1", "beta2"),
-                   "ademamix": ("beta1", "beta2", "beta3", "alpha", "t_alpha", "t_beta3", "eps")}
+                   "ademamix": ("beta1", "beta2", "beta3", "alpha", "t_alpha", "t_beta3", "eps"),
+                   "sgd": ("momentum", "dampening", "nesterov"), "rmsprop": ("alpha", "eps"), "adagrad": ("eps",)}
+_TAKES_BETAS = ("adam", "lion", "ademamix")  # betas from adam_beta1 / adam_beta2
 
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
@@ -186,7 +198,7 @@ def _parse_value(key: str, value: str, optim_args: str):
     def bad(expected):
         return ValueError(f"optim_args {optim_args!r}: {key}={value!r} is not {expected}")
 
-    if key in ("beta1", "beta2", "beta3", "eps", "alpha"):
+    if key in ("beta1", "beta2", "beta3", "eps", "alpha", "momentum", "dampening"):
         try:
             v = float(value)
         except ValueError:
@@ -220,11 +232,16 @@ def optimizer_cls_and_kwargs(name, training_args, model: Optional[torch.nn.Modul
     name, entry = _entry(name)
     a = training_args
     opts = parse_optim_args(name, a.optim_args)
-    betas = (opts.get("beta1", a.adam_beta1), opts.get("beta2", a.adam_beta2))
-    kwargs: dict[str, Any] = {"lr": a.learning_rate, "betas": betas, "weight_decay": a.weight_decay}
+    kwargs: dict[str, Any] = {"lr": a.learning_rate, "weight_decay": a.weight_decay}
     algorithm = entry.cls.algorithm.name
-    if algorithm != "lion":
+    betas = (opts.get("beta1", a.adam_beta1), opts.get("beta2", a.adam_beta2))
+    if algorithm in _TAKES_BETAS:
+        kwargs["betas"] = betas
+    if algorithm in ("adam", "ademamix"):
         kwargs["eps"] = opts.get("eps", a.adam_epsilon)
+    for key in ("eps", "alpha", "momentum", "dampening", "nesterov"):  # SGD, RMSprop, Adagrad: class defaults
+        if algorithm not in _TAKES_BETAS and key in opts:
+            kwargs[key] = opts[key]
     if algorithm == "ademamix":
         kwargs["betas"] = betas + (opts.get("beta3", 0.9999),)
         kwargs["alpha"] = opts.get("alpha", 5.0)

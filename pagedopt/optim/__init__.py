@@ -2,11 +2,15 @@ from .adam import (AdamBase, Adam, Adam8bit, Adam32bit, AdamW, AdamW8bit, AdamW3
                    PagedAdam32bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit)
 from .ademamix import (AdEMAMix, AdEMAMix8bit, AdEMAMix32bit, PagedAdEMAMix, PagedAdEMAMix8bit,
                        PagedAdEMAMix32bit)
+from .adagrad import Adagrad, Adagrad8bit, Adagrad32bit
 from .base import QuantizedOptimizer
 from .lion import Lion, Lion8bit, Lion32bit, PagedLion, PagedLion8bit, PagedLion32bit
+from .rmsprop import RMSprop, RMSprop8bit, RMSprop32bit
+from .sgd import SGD, SGD8bit, SGD32bit
 from .global_manager import GlobalOptimManager
 
 __all__ = ["QuantizedOptimizer", "AdamBase", "GlobalOptimManager", "Adam", "Adam8bit", "Adam32bit", "AdamW", "AdamW8bit", "AdamW32bit", "PagedAdam",
            "PagedAdam8bit", "PagedAdam32bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit",
            "Lion", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit",
-           "AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit"]
+           "AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit",
+           "SGD", "SGD8bit", "SGD32bit", "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adagrad", "Adagrad8bit", "Adagrad32bit"]

@@ -52,6 +52,7 @@ class AlgorithmSpec:
     engine: Optional[str] = None
     hyper: Optional[Callable[[dict], list]] = None
     check: Optional[Callable[[dict, Callable[[str], str]], None]] = None
+    stateless_ok: bool = False  # a parameter may have no state but its step (plain SGD)
 
     @property
     def state_keys(self) -> tuple[str, ...]:

@@ -47,6 +47,7 @@ class _Bucket(NamedTuple):
     gi: int
     device: torch.device
     eight_bit: bool
+    stateful: bool             # False: the parameters have no state but `step` (plain SGD)
     index: list[int]           # positions in step()'s list of parameters with gradients
     params: list[torch.Tensor]
     states: list[dict]
@@ -157,10 +158,16 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         signed, unsigned = self._codebooks_on(device)
         return signed if spec.signed else unsigned
 
-    def _bucket_keys(self, eight_bit: bool) -> tuple[str, ...]:
+    def _bucket_keys(self, eight_bit: bool, stateful: bool = True) -> tuple[str, ...]:
         """The state keys a fused call takes, one list each: states, absmax (8-bit), step."""
         spec = self.algorithm
+        if not stateful:
+            return ("step",)
         return spec.state_keys + (spec.absmax_keys if eight_bit else ()) + ("step",)
+
+    def _needs_states(self, config: dict) -> bool:
+        """Whether a parameter under ``config`` keeps the algorithm's states (plain SGD does not)."""
+        return True
 
     def _state_zeros(self, shape, dtype, device) -> torch.Tensor:
         if self._pager is not None:
@@ -190,10 +197,14 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         local shard only (shape and blocks of ``sharding.local(p)``); whether they are 8-bit depends on the
         global size, so that every rank, and an unsharded run, choose alike."""
         state = self.state[p]
-        if len(state) != 0:
+        needs_states = self._needs_states(config)
+        if len(state) != 0 and (not needs_states or self.algorithm.states[0].key in state):
             return state
         local = sharding.local(p)
-        state["step"] = torch.zeros((), dtype=torch.float32, device=local.device)
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=local.device)
+        if not needs_states:
+            return state
         eight_bit = self._uses_8bit(config, p)
         blocks = (local.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
         for spec in self.algorithm.states:
@@ -308,18 +319,20 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             gi, pi = index_of[id(p)]
             override = overrides.get((gi, pi), {})
             st = self._init_state({**self.param_groups[gi], **override}, p)
-            eight_bit = st["state1"].dtype == torch.uint8
+            stateful = self.algorithm.states[0].key in st
+            eight_bit = stateful and st[self.algorithm.states[0].key].dtype == torch.uint8
             codebooks = tuple(id(st[q]) for q in self.algorithm.qmap_keys) if eight_bit else None
             setting = tuple(sorted((k, v) for k, v in override.items() if k not in ("optim_bits", "min_8bit_size")))
-            members[(gi, p.device, p.dtype, eight_bit, codebooks, setting)].append(i)
+            members[(gi, p.device, p.dtype, eight_bit, stateful, codebooks, setting)].append(i)
         buckets = []
         steps_by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        for (gi, device, _, eight_bit, _, setting), index in members.items():
+        for (gi, device, _, eight_bit, stateful, _, setting), index in members.items():
             bucket_params = [params[i] for i in index]
             states = [state[p] for p in bucket_params]
-            lists = tuple([s[k] for s in states] for k in self._bucket_keys(eight_bit))
-            held = self._hold_states(lists, states[0], eight_bit)
-            buckets.append(_Bucket(gi, device, eight_bit, index, bucket_params, states, lists, held, dict(setting)))
+            lists = tuple([s[k] for s in states] for k in self._bucket_keys(eight_bit, stateful))
+            held = self._hold_states(lists, states[0], eight_bit) if stateful else None
+            buckets.append(_Bucket(gi, device, eight_bit, stateful, index, bucket_params, states, lists, held,
+                                   dict(setting)))
             steps_by_device[device] += [s["step"] for s in states]
         key = (id(state), state.version, self._plan_version, key[3])  # states may have been created
         self._plan = _StepPlan(key, buckets, dict(steps_by_device), sharding.has_dtensor(params))
@@ -399,6 +412,9 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         """One fused call of the generic engine (quantized_step_) per bucket, or per chunk of it
         while paged states are not resident. ``params``/``grads``: the bucket's (local shards of
         DTensor parameters)."""
+        if not bucket.stateful:
+            self._step_stateless(group, params, grads, grad_scale, found_inf)
+            return
         spec = self.algorithm
         hyper = spec.hyper(group)
         if contiguous and (self._pager is None or self._pager.all_resident()):
@@ -412,6 +428,10 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                                  hyper, grad_scale=grad_scale, found_inf=found_inf)
             if work_params is not params:
                 self._write_back(params, work_params)
+
+    def _step_stateless(self, group: dict, params, grads, grad_scale, found_inf) -> None:
+        """The step of parameters without states (plain SGD overrides it)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps states for every parameter")
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

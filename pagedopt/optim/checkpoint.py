@@ -134,6 +134,8 @@ def read_param_state(saved: Any, p: torch.Tensor, where: str, spec: "AlgorithmSp
         for k in TORCH_MOMENT_KEYS:
             out[k] = _tensor(floats, k, where, torch.float32, p.shape)
         return out
+    if spec.stateless_ok and not any(k in state for k in MOMENT_KEYS + ABSMAX_KEYS + QMAP_KEYS):
+        return out  # a parameter without states (plain SGD)
     foreign = [k for k in MOMENT_KEYS + ABSMAX_KEYS + QMAP_KEYS if k in state
                and k not in spec.state_keys + spec.absmax_keys + spec.qmap_keys]
     if foreign:

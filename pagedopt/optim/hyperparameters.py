@@ -7,7 +7,7 @@ import torch
 
 def check_hyperparameters(h: dict, where: str, n_betas: int = 2, has_eps: bool = True, extra=None) -> None:
     """Raise a ValueError naming ``where`` (``argument`` or ``param_groups[i]``) and the key.
-    ``n_betas``: how many betas the algorithm takes, ``has_eps``: whether it takes eps;
+    ``n_betas``: how many betas the algorithm takes (0: none), ``has_eps``: whether it takes eps;
     ``extra(h, name)``: its own checks."""
     def name(key):
         return f"{where}[{key!r}]" if where.startswith("param_groups") else f"{where} {key!r}"
@@ -18,7 +18,8 @@ def check_hyperparameters(h: dict, where: str, n_betas: int = 2, has_eps: bool =
             raise ValueError(f"Invalid {name(key)}: {v!r} (must be a float)")
         return float(v)
 
-    for key in ("lr", "betas", "weight_decay", "optim_bits", "min_8bit_size") + (("eps",) if has_eps else ()):
+    for key in (("lr",) + (("betas",) if n_betas else ()) + (("eps",) if has_eps else ())
+                + ("weight_decay", "optim_bits", "min_8bit_size")):
         if key not in h:
             raise ValueError(f"Invalid {name(key)}: missing")
     lr = h["lr"]
@@ -27,8 +28,8 @@ def check_hyperparameters(h: dict, where: str, n_betas: int = 2, has_eps: bool =
             raise ValueError(f"Invalid {name('lr')}: a tensor of shape {tuple(lr.shape)} (must be a float)")
     elif not math.isfinite(number("lr")) or lr < 0:
         raise ValueError(f"Invalid {name('lr')}: {lr!r} (must be a finite float >= 0)")
-    betas = h["betas"]
-    if not (isinstance(betas, (tuple, list)) and len(betas) == n_betas):
+    betas = h["betas"] if n_betas else ()
+    if n_betas and not (isinstance(betas, (tuple, list)) and len(betas) == n_betas):
         what = {2: "a pair of floats", 3: "three floats"}.get(n_betas, f"{n_betas} floats")
         raise ValueError(f"Invalid {name('betas')}: {betas!r} (must be {what})")
     for i, b in enumerate(betas):

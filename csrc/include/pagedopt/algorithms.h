@@ -22,9 +22,12 @@
 #include <cmath>
 #include <string>
 
+#include "pagedopt/algorithms/adagrad.h"
 #include "pagedopt/algorithms/adam.h"
 #include "pagedopt/algorithms/ademamix.h"
 #include "pagedopt/algorithms/lion.h"
+#include "pagedopt/algorithms/rmsprop.h"
+#include "pagedopt/algorithms/sgd.h"
 #include "pagedopt/checks.h"
 #include "pagedopt/common.h"
 
@@ -38,7 +41,7 @@ PAGEDOPT_UNROLL
   return ok;
 }
 
-// Calls f(Algorithm{}) for the algorithm of that name ("adam", "lion", "ademamix").
+// Calls f(Algorithm{}) for the algorithm of that name.
 template <typename F>
 void with_algorithm(const std::string& name, F&& f) {
   if (name == "adam") {
@@ -47,8 +50,14 @@ void with_algorithm(const std::string& name, F&& f) {
     f(Lion{});
   } else if (name == "ademamix") {
     f(AdEMAMix{});
+  } else if (name == "sgd_momentum") {
+    f(SGDMomentum{});
+  } else if (name == "rmsprop") {
+    f(RMSprop{});
+  } else if (name == "adagrad") {
+    f(Adagrad{});
   } else {
-    TORCH_CHECK_VALUE(false, "quantized_step_: unknown algorithm '", name, "' (adam, lion, ademamix)");
+    TORCH_CHECK_VALUE(false, "quantized_step_: unknown algorithm '", name, "' (adam, lion, ademamix, sgd_momentum, rmsprop, adagrad)");
   }
 }
 
