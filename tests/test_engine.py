@@ -165,3 +165,27 @@ def test_an_element_whose_second_moment_overflows_counts_for_no_absmax():
     assert torch.allclose(st["absmax1"][0, 0], expected, rtol=2.0**-22), (st["absmax1"][0, 0], expected)
     zero = int((st["qmap1"] == 0).nonzero()[0])
     assert (st["state1"][0, :256][others[:256]] != zero).float().mean() > 0.9  # not flattened to the code of 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_sgd_follows_grad_scaler_and_torch(dtype):
+    """Plain SGD (momentum 0, no state): a step GradScaler skips (found_inf = 1) leaves the
+    parameters and the step count as they were; a step with grad_scale = 2^10 over gradients
+    scaled by 2^10 equals torch.optim.SGD on the unscaled gradients, bit for bit in fp32 (the same
+    two fp32 operations; x * 2^-10 is exact), and, for bf16, torch's step done in fp32 and rounded."""
+    torch.manual_seed(4)
+    p0 = torch.randn(300).to(dtype)
+    p = torch.nn.Parameter(p0.clone())
+    opt = pagedopt.SGD8bit([p], lr=0.1, weight_decay=0.01)
+    g = torch.randn(300).to(dtype)
+    p.grad = g * 1024
+    opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(1.0)
+    opt.step()
+    assert torch.equal(p.detach(), p0) and opt.state[p]["step"].item() == 0
+    opt.found_inf = torch.tensor(0.0)
+    opt.step()
+    ref = torch.nn.Parameter(p0.float().clone())
+    ref.grad = g.float()
+    torch.optim.SGD([ref], lr=0.1, weight_decay=0.01).step()
+    assert torch.equal(p.detach(), ref.detach().to(dtype))
+    assert set(opt.state[p]) == {"step"} and opt.state[p]["step"].item() == 1
