@@ -45,6 +45,8 @@ import torch  # noqa: E402
 import common as C  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+LION_HYPER = dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=1e-2)
+ADEMAMIX_HYPER = dict(lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, eps=1e-8, weight_decay=1e-2)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MANAGED_LIMIT = 16 * (1 << 30)
 
@@ -121,6 +123,7 @@ class Spec:
     repeat: Optional[int] = None
     min_budget_s: float = 0.0      # skip when less wall time than this is left
     note: str = ""
+    moments: int = 2               # moment arrays per parameter (Lion 1, Adam 2, AdEMAMix 3)
 
 
 def build_specs(args) -> list[Spec]:
@@ -138,6 +141,12 @@ def build_specs(args) -> list[Spec]:
         Spec("bnb_paged_adamw8bit", "bnb", 8, lambda ps: _bnb().optim.PagedAdamW8bit(ps, **HYPER),
              page_out=_page_out_bnb if args.bnb_pageout else None, paged_bytes=_paged_bytes_bnb,
              note="" if args.bnb_pageout else "its page-out exits the process on CUDA 13; run with --bnb-pageout"),
+        # the rest of the family, on the generic engine, against bitsandbytes' classes of the same name
+        Spec("pagedopt_lion8bit", "pagedopt", 8, lambda ps: _pagedopt().Lion8bit(ps, **LION_HYPER), moments=1),
+        Spec("bnb_lion8bit", "bnb", 8, lambda ps: _bnb().optim.Lion8bit(ps, **LION_HYPER), moments=1),
+        Spec("pagedopt_ademamix8bit", "pagedopt", 8, lambda ps: _pagedopt().AdEMAMix8bit(ps, **ADEMAMIX_HYPER),
+             moments=3),
+        Spec("bnb_ademamix8bit", "bnb", 8, lambda ps: _bnb().optim.AdEMAMix8bit(ps, **ADEMAMIX_HYPER), moments=3),
     ]
     if not args.no_torchao:
         sets = ("tinyllama", "small") if args.torchao_small else ("tinyllama",)
@@ -155,10 +164,13 @@ def selected(spec: Spec, only: list[str]) -> bool:
     return any(spec.name == o or spec.name.startswith(o) or spec.family == o for o in only)
 
 
-def floor_bytes_per_param(bits: int, dtype: str) -> int:
-    if bits == 8:
-        return 16 if dtype == "fp32" else 10
-    return 28 if dtype == "fp32" else 14
+def floor_bytes_per_param(bits: int, dtype: str, moments: int = 2) -> int:
+    """Bytes a step must move per parameter: the parameter read and written, the gradient read,
+    and each moment read and written (1 byte as an 8-bit code, 4 as fp32; absmax is under 2%).
+    torch's fused AdamW (bits 32 with a 16-bit dtype) keeps its moments in the parameter's dtype."""
+    width = 2 if dtype == "bf16" else 4
+    state = 1 if bits == 8 else (width if dtype == "bf16" else 4)
+    return 3 * width + 2 * moments * state
 
 
 def _plain(obj):
@@ -209,7 +221,7 @@ class Runner:
         n = sum(p.numel() for p in params)
         base = {"name": spec.name, "family": spec.family, "set": set_name, "dtype": dtype, "mode": "resident",
                 "n_params": n, "n_tensors": len(params), "bits": spec.bits,
-                "floor_bytes_per_param": floor_bytes_per_param(spec.bits, dtype), "note": spec.note}
+                "floor_bytes_per_param": floor_bytes_per_param(spec.bits, dtype, spec.moments), "note": spec.note}
         if self.broken:
             self.add({**base, "skipped": "CUDA context broken by an earlier case"})
             return

@@ -71,7 +71,8 @@ def test_bench_step_smoke(tmp_path):
     cases = {(c["name"], c["set"], c["dtype"], c["mode"]): c for c in doc["cases"]}
     expected = [("pagedopt_adamw8bit", "tinyllama", "fp32"), ("pagedopt_adamw8bit", "tinyllama", "bf16"),
                 ("pagedopt_adamw8bit", "small", "fp32"), ("pagedopt_paged_adamw8bit", "tinyllama", "fp32"),
-                ("pagedopt_paged_adamw8bit", "tinyllama", "bf16"), ("pagedopt_paged_adamw8bit", "small", "fp32")]
+                ("pagedopt_paged_adamw8bit", "tinyllama", "bf16"), ("pagedopt_paged_adamw8bit", "small", "fp32"),
+                ("pagedopt_lion8bit", "tinyllama", "fp32"), ("pagedopt_ademamix8bit", "tinyllama", "bf16")]
     for name, set_name, dtype in expected:
         c = cases.get((name, set_name, dtype, "resident"))
         assert c is not None, (name, set_name, dtype)
@@ -84,6 +85,9 @@ def test_bench_step_smoke(tmp_path):
         c = cases.get(("pagedopt_paged_adamw8bit", set_name, dtype, "after_pageout"))
         assert c is not None and not c.get("error"), c
         assert _positive(c["median_ms"])
+    # the byte floor counts each algorithm's moments: Lion 1, AdEMAMix 3 (1 byte each way per 8-bit moment)
+    assert cases[("pagedopt_lion8bit", "tinyllama", "fp32", "resident")]["floor_bytes_per_param"] == 12 + 2
+    assert cases[("pagedopt_ademamix8bit", "tinyllama", "bf16", "resident")]["floor_bytes_per_param"] == 6 + 6
     # the 8-bit states are about 2 bytes per parameter, far under fp32 AdamW's 8
     c = cases[("pagedopt_adamw8bit", "tinyllama", "fp32", "resident")]
     assert c["state_bytes"] < 4 * c["n_params"]
