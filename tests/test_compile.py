@@ -65,6 +65,8 @@ CLASSES = [
     (pagedopt.AdamW32bit, torch.float32),
     (pagedopt.PagedAdamW8bit, torch.float32),
     (pagedopt.Adam8bit, torch.bfloat16),
+    (pagedopt.Lion8bit, torch.float32),       # the generic engine (QuantizedStateList)
+    (pagedopt.AdEMAMix8bit, torch.bfloat16),
 ]
 
 

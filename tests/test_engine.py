@@ -189,3 +189,55 @@ def test_plain_sgd_follows_grad_scaler_and_torch(dtype):
     torch.optim.SGD([ref], lr=0.1, weight_decay=0.01).step()
     assert torch.equal(p.detach(), ref.detach().to(dtype))
     assert set(opt.state[p]) == {"step"} and opt.state[p]["step"].item() == 1
+
+
+def _ademamix_case(device, sizes=(520, 33, 4100)):
+    g = torch.Generator().manual_seed(6)
+    lists = {k: [] for k in ("p", "g", "s1", "s2", "a1", "a2", "steps")}
+    for n in sizes:
+        blocks = (n + 255) // 256
+        lists["p"].append(torch.randn(n, generator=g).to(device))
+        lists["g"].append(torch.randn(n, generator=g).to(device))
+        lists["s1"].append(torch.randint(0, 256, (2, n), generator=g, dtype=torch.uint8).to(device))
+        lists["s2"].append(torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).to(device))
+        lists["a1"].append((torch.rand(2, blocks, generator=g) * 0.1).to(device))
+        lists["a2"].append((torch.rand(blocks, generator=g) * 0.01).to(device))
+        lists["steps"].append(torch.tensor(3.0, device=device))
+    qmaps = [dynamic_codebook(True, device), dynamic_codebook(False, device)]
+    hyper = [1e-3, 0.9, 0.999, 0.9999, 5.0, 1e-8, 0.01, 0.0, 0.0]
+    return lists, qmaps, hyper
+
+
+def test_quantized_step_ops_have_fakes_and_pass_opcheck():
+    """quantized_step_ passes opcheck (schema, fake, autograd registration, AOT dispatch);
+    quantized_step_list_ the tests its custom-class argument allows (see test_compile.py's
+    _opcheck_state_list), with its effects checked by hand: params change, grads and steps do not,
+    the held states do."""
+    lists, qmaps, hyper = _ademamix_case("cpu")
+    args = ("ademamix", lists["p"], lists["g"], lists["s1"] + lists["s2"], lists["a1"] + lists["a2"], lists["steps"],
+            qmaps, hyper, None, None)
+    torch.library.opcheck(torch.ops.pagedopt.quantized_step_, args)
+    assert torch._library.fake_class_registry.has_fake_class("__torch__.torch.classes.pagedopt.QuantizedStateList")
+    held = torch.classes.pagedopt.QuantizedStateList("ademamix", lists["s1"] + lists["s2"], lists["a1"] + lists["a2"],
+                                                     lists["steps"], qmaps)
+    assert held.size() == 3
+    largs = (held, lists["p"], lists["g"], hyper, None, None)
+    torch.library.opcheck(torch.ops.pagedopt.quantized_step_list_, largs,
+                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    # effects, on a fresh case (opcheck ran the op on the held states above)
+    lists, qmaps, hyper = _ademamix_case("cpu")
+    held = torch.classes.pagedopt.QuantizedStateList("ademamix", lists["s1"] + lists["s2"], lists["a1"] + lists["a2"],
+                                                     lists["steps"], qmaps)
+    before = {k: [t.clone() for t in v] for k, v in lists.items()}
+    torch.ops.pagedopt.quantized_step_list_(held, lists["p"], lists["g"], hyper, None, None)
+    assert all(not torch.equal(a, b) for a, b in zip(before["p"], lists["p"]))
+    assert all(torch.equal(a, b) for a, b in zip(before["g"], lists["g"]))
+    assert all(torch.equal(a, b) for a, b in zip(before["steps"], lists["steps"]))
+    for k in ("s1", "s2", "a1", "a2"):
+        assert any(not torch.equal(a, b) for a, b in zip(before[k], lists[k])), k
+    # the list op is the plain op, bit for bit
+    again, _, _ = _ademamix_case("cpu")
+    torch.ops.pagedopt.quantized_step_("ademamix", again["p"], again["g"], again["s1"] + again["s2"],
+                                       again["a1"] + again["a2"], again["steps"], qmaps, hyper, None, None)
+    for k in ("p", "s1", "s2", "a1", "a2"):
+        assert all(torch.equal(a, b) for a, b in zip(again[k], lists[k])), k
