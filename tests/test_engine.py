@@ -241,3 +241,40 @@ def test_quantized_step_ops_have_fakes_and_pass_opcheck():
                                        again["a1"] + again["a2"], again["steps"], qmaps, hyper, None, None)
     for k in ("p", "s1", "s2", "a1", "a2"):
         assert all(torch.equal(a, b) for a, b in zip(again[k], lists[k])), k
+
+
+@pytest.mark.parametrize("t_alpha, t_beta3", [(3, 20), (20, 3)])
+def test_ademamix_warmups_of_different_lengths(t_alpha, t_beta3):
+    """t_alpha and t_beta3 of different lengths (equal ones would hide a mix-up): each of six
+    steps of AdEMAMix32bit against the float64 oracle started from the optimizer's own previous
+    states. fp32 rounding: the moments within 4 U of their terms' size, the parameter within
+    8 U of |p| plus 8 U of lr * the update's terms (a few roundings each, U = 2^-24); the
+    schedules' effect per step is orders of magnitude above that."""
+    from reference_family import ademamix_schedule, ademamix_step_reference, ademamix_update
+
+    U = 2.0**-24
+    torch.manual_seed(5)
+    p = torch.nn.Parameter(torch.randn(700))
+    hp = dict(lr=1e-2, betas=(0.9, 0.999, 0.9999), alpha=5.0, eps=1e-8, weight_decay=0.1)
+    opt = pagedopt.AdEMAMix32bit([p], t_alpha=t_alpha, t_beta3=t_beta3, **hp)
+    m1, m2, nu = torch.zeros(700), torch.zeros(700), torch.zeros(700)
+    for step in range(1, 7):
+        g = torch.randn(700)
+        p_old = p.detach().clone()
+        p.grad = g.clone()
+        opt.step()
+        ref_p, ref_m1, ref_m2, ref_nu = ademamix_step_reference(
+            p_old, g, m1, m2, nu, step, hp["lr"], *hp["betas"], hp["alpha"], hp["eps"], hp["weight_decay"],
+            t_alpha, t_beta3)
+        st = opt.state[p]
+        m1, m2, nu = st["state1"][0].clone(), st["state1"][1].clone(), st["state2"].clone()
+        _, beta3_t = ademamix_schedule(step, hp["alpha"], 0.9, 0.9999, t_alpha, t_beta3)
+        terms1 = 0.9 * ref_m1.abs() + g.double().abs()
+        terms2 = beta3_t * ref_m2.abs() + g.double().abs()
+        assert ((m1.double() - ref_m1).abs() <= 4 * U * terms1).all()
+        assert ((m2.double() - ref_m2).abs() <= 4 * U * terms2).all()
+        assert ((nu.double() - ref_nu).abs() <= 4 * U * (ref_nu + g.double() ** 2)).all()
+        alpha_t, _ = ademamix_schedule(step, hp["alpha"], 0.9, 0.9999, t_alpha, t_beta3)
+        _, size = ademamix_update(ref_m1, ref_m2, ref_nu, step, 0.9, 0.999, alpha_t, hp["eps"])
+        bound = 8 * U * (p_old.double().abs() + hp["lr"] * size)
+        assert ((p.detach().double() - ref_p).abs() <= bound).all(), ((p.detach().double() - ref_p).abs() - bound).max()
