@@ -24,7 +24,17 @@ import pagedopt
 from pagedopt.optim.base import optimizer_state_bytes
 
 CLASSES = ("AdamW8bit", "PagedAdamW8bit", "AdamW32bit")
+# the generic engine's families: Lion (one state) and AdEMAMix (two moments stacked in state1)
+FAMILY = ("Lion8bit", "AdEMAMix8bit", "AdEMAMix32bit")
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+HYPERS = {"Lion8bit": dict(lr=3e-3, betas=(0.9, 0.99), weight_decay=0.05),
+          "AdEMAMix8bit": dict(lr=1e-2, betas=(0.9, 0.99, 0.999), eps=1e-8, weight_decay=0.05),
+          "AdEMAMix32bit": dict(lr=1e-2, betas=(0.9, 0.99, 0.999), eps=1e-8, weight_decay=0.05)}
+
+
+def _local_state_shape(name: str, local: torch.Tensor) -> tuple:
+    """state1's shape for a local shard: AdEMAMix stacks its two first moments."""
+    return ((2,) if "AdEMAMix" in name else ()) + tuple(local.shape)
 
 
 def _free_port() -> int:
@@ -57,7 +67,7 @@ def _make(name: str, params, **kw):
 
     with warnings.catch_warnings():  # Paged* on the CPU (or without concurrent managed access) warn: unpaged
         warnings.simplefilter("ignore")
-        return getattr(pagedopt, name)(params, **HYPER, **kw)
+        return getattr(pagedopt, name)(params, **HYPERS.get(name, HYPER), **kw)
 
 
 def _flat_state(opt) -> list[torch.Tensor]:
@@ -240,9 +250,9 @@ def _fsdp_aligned(rank, world, device, name, report):
     # States live on the local shard: each rank holds 1/world of every state tensor.
     for p in model.parameters():
         s = opt.state[p]
-        assert not isinstance(s["state1"], DTensor) and s["state1"].shape == p.to_local().shape
+        assert not isinstance(s["state1"], DTensor) and s["state1"].shape == _local_state_shape(name, p.to_local())
     eight = sum(1 for s in opt.state.values() if s["state1"].dtype == torch.uint8)
-    assert eight == (0 if name == "AdamW32bit" else 3), name
+    assert eight == (0 if name.endswith("32bit") else 3), name
     mine_bytes, full_bytes = optimizer_state_bytes(opt), optimizer_state_bytes(opt_ref)
     assert mine_bytes == _expected_state_bytes(opt_ref, world), (name, mine_bytes, full_bytes)
     report[name] = (mine_bytes, full_bytes)
@@ -256,10 +266,10 @@ def _fsdp_uneven(rank, world, device, name):
     losses = _fsdp_steps(model, opt, 0, 40, 24, 1, device)
     for p in model.parameters():
         s, local = opt.state[p], p.to_local()
-        assert s["state1"].shape == local.shape
-        if name != "AdamW32bit":
+        assert s["state1"].shape == _local_state_shape(name, local)
+        if not name.endswith("32bit"):
             assert s["state1"].dtype == torch.uint8
-            assert s["absmax1"].numel() == -(-local.numel() // STATE_BLOCK_SIZE)
+            assert s["absmax1"].shape[-1] == -(-local.numel() // STATE_BLOCK_SIZE)
         assert torch.isfinite(local).all()
     # The loss goes down: the fit of a fixed random tanh map, 40 steps of lr 1e-2 from a random start.
     # Measured on the CPU (means of the first and last 3 losses): 0.487 -> 0.042 for every class, a
@@ -334,6 +344,20 @@ def _fsdp_scenario(rank, world, device, ckpt_dir, names):
             print(f"state bytes per rank ({world} ranks, {device.type}): {name} {mine} of {full} unsharded")
 
 
+def _family_scenario(rank, world, device, ckpt_dir, names):
+    """FSDP2 with the engine's families: bit-identical to the unsharded run, uneven shards train,
+    and a DCP round trip (AdEMAMix8bit's stacked state1 and absmax1 as DTensors sharded one
+    dimension further) continues exactly."""
+    for name in names:
+        _fsdp_aligned(rank, world, device, name, {})
+        _fsdp_uneven(rank, world, device, name)
+    for name in ("Lion8bit", "AdEMAMix8bit"):
+        _dcp_round_trip(rank, world, device, name, os.path.join(ckpt_dir, f"{name}-aligned"), _aligned_model, 128,
+                        32, {})
+        _dcp_round_trip(rank, world, device, name, os.path.join(ckpt_dir, f"{name}-uneven"), _uneven_model, 24, 1,
+                        dict(min_8bit_size=0))
+
+
 def _reshard_save(rank, world, device, ckpt_dir):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -387,6 +411,10 @@ def test_ddp_gloo(tmp_path):
 
 def test_fsdp2_gloo(tmp_path):
     _launch(_fsdp_scenario, 2, "gloo", str(tmp_path), CLASSES)
+
+
+def test_fsdp2_family_gloo(tmp_path):
+    _launch(_family_scenario, 2, "gloo", str(tmp_path), FAMILY)
 
 
 def test_fsdp2_reshard_gloo(tmp_path):

@@ -447,7 +447,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             for saved, group in zip(sd["param_groups"], self.param_groups):
                 for key, p in zip(saved["params"], group["params"]):
                     if key in sd["state"] and isinstance(p, sharding.dtensor_class()):
-                        sd["state"][key] = sharding.sharded_param_state(sd["state"][key], p)
+                        sd["state"][key] = sharding.sharded_param_state(sd["state"][key], p, self.algorithm)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -116,7 +116,7 @@ def read_param_state(saved: Any, p: torch.Tensor, where: str, spec: "AlgorithmSp
     'step' and, for a torch Adam state (``spec`` Adam's), float32 'exp_avg'/'exp_avg_sq' to be
     converted. ``spec`` says which state keys, shapes and codebooks the state has. For a DTensor
     ``p`` the tensors are this rank's local ones, checked against ``p``'s local shard."""
-    state = localize_state(_unnest(_as_mapping(saved, where), where), p, where)
+    state = localize_state(_unnest(_as_mapping(saved, where), where), p, where, spec)
     p = local(p)
     if "step" not in state:
         raise refuse(f"{where} has no 'step'")

@@ -10,12 +10,15 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from ..quant import STATE_BLOCK_SIZE
-from .state_keys import ABSMAX_KEYS, ABSMAX_LAYOUT_KEY, MOMENT_KEYS, TORCH_MOMENT_KEYS, refuse
+from .state_keys import ABSMAX_LAYOUT_KEY, TORCH_MOMENT_KEYS, refuse
+
+if TYPE_CHECKING:
+    from .algorithm import AlgorithmSpec
 
 
 def dtensor_class():
@@ -77,7 +80,9 @@ def describe_layout(t: torch.Tensor) -> str:
 # writes and reads each rank's part:
 #
 # * state1/state2: DTensor.from_local(local, mesh, the parameter's placements, shape and stride of
-#   the parameter): exactly the layout of the parameter, like torch's exp_avg/exp_avg_sq.
+#   the parameter): exactly the layout of the parameter, like torch's exp_avg/exp_avg_sq. A state
+#   holding k stacked moments (AdEMAMix's state1, shape (k, *shard)) is sharded one dimension further
+#   (Shard(d) becomes Shard(d + 1)), global shape (k, *param.shape); its absmax likewise (k, slots * B).
 # * absmax1/absmax2: ranks may hold different numbers of blocks (uneven shards, or shards that are
 #   not multiples of 256 elements), and DTensor's Shard follows torch.chunk's sizes, not these. So each
 #   rank's absmax is padded with zeros to the block count of the largest shard, B (computed from the
@@ -113,30 +118,53 @@ def _absmax_layout(p) -> tuple[int, int, list, bool]:
     return slots, blocks, out, slots * blocks * STATE_BLOCK_SIZE == p.numel()
 
 
-def sharded_param_state(state: Mapping, p) -> dict:
-    """A DTensor parameter's state as it goes into a state dict (see above); ``state`` holds local tensors."""
+def _stacked(placements, moments: int) -> tuple:
+    """The placements of a state of ``moments`` stacked moments (one leading dimension more)."""
+    from torch.distributed.tensor import Shard
+
+    if moments == 1:
+        return tuple(placements)
+    return tuple(Shard(x.dim + 1) if isinstance(x, Shard) else x for x in placements)
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def sharded_param_state(state: Mapping, p, spec: "AlgorithmSpec") -> dict:
+    """A DTensor parameter's state as it goes into a state dict (see above); ``state`` holds local
+    tensors, with the keys of ``spec``'s states (plain SGD's states have none)."""
     from torch.distributed.tensor import DTensor
 
     out = dict(state)
     mesh, placements = p.device_mesh, p.placements
-    for k in MOMENT_KEYS:
-        out[k] = DTensor.from_local(state[k], mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
-    if state["state1"].dtype == torch.uint8:
+    present = [st for st in spec.states if st.key in state]
+    for st in present:
+        shape = torch.Size(st.shape(p.shape))
+        out[st.key] = DTensor.from_local(state[st.key], mesh, _stacked(placements, st.moments), run_check=False,
+                                         shape=shape, stride=_contiguous_stride(shape))
+    if present and state[present[0].key].dtype == torch.uint8:
         slots, blocks, absmax_placements, aligned = _absmax_layout(p)
-        for k in ABSMAX_KEYS:
-            local = state[k]
-            if local.numel() > blocks:
+        for st in present:
+            local = state[st.absmax_key].reshape(st.moments, -1)
+            if local.shape[1] > blocks:
                 raise ValueError(f"a shard of {tuple(p.shape)} with placements {tuple(placements)} holds "
-                                 f"{local.numel()} blocks, more than the {blocks} of the largest chunk")
-            if local.numel() < blocks:
-                local = torch.cat([local, local.new_zeros(blocks - local.numel())])
-            out[k] = DTensor.from_local(local, mesh, absmax_placements, run_check=False,
-                                        shape=torch.Size((slots * blocks,)), stride=(1,))
+                                 f"{local.shape[1]} blocks, more than the {blocks} of the largest chunk")
+            if local.shape[1] < blocks:
+                local = torch.cat([local, local.new_zeros(st.moments, blocks - local.shape[1])], dim=1)
+            shape = torch.Size(st.absmax_shape(slots * blocks))
+            out[st.absmax_key] = DTensor.from_local(local.reshape(st.absmax_shape(blocks)), mesh,
+                                                    _stacked(absmax_placements, st.moments), run_check=False,
+                                                    shape=shape, stride=_contiguous_stride(shape))
         out[ABSMAX_LAYOUT_KEY] = torch.tensor([slots, blocks, int(aligned)], dtype=torch.int64)
     return out
 
 
-def localize_state(state: dict, p: torch.Tensor, where: str) -> dict:
+def localize_state(state: dict, p: torch.Tensor, where: str, spec: "AlgorithmSpec") -> dict:
     """A saved state with its DTensors replaced by this rank's local tensors, checked against the
     DTensor parameter ``p``: moments (and torch's exp_avg/exp_avg_sq) must have ``p``'s mesh,
     placements and shape; absmax the layout of sharded_param_state for ``p``'s sharding (or an
@@ -150,21 +178,24 @@ def localize_state(state: dict, p: torch.Tensor, where: str) -> dict:
         return state
     out = dict(state)
     mesh, placements = p.device_mesh, tuple(p.placements)
-    for k in MOMENT_KEYS + TORCH_MOMENT_KEYS:
+    moments = {st.key: st.moments for st in spec.states}
+    for k in tuple(moments) + TORCH_MOMENT_KEYS:
         if k not in state:
             continue
         v = state[k]
+        k_placements = _stacked(placements, moments.get(k, 1))
+        k_shape = (moments[k], *p.shape) if moments.get(k, 1) > 1 else tuple(p.shape)
         if not is_dtensor(v):
             raise refuse(f"{where} {k!r} is a plain tensor but the parameter is a DTensor with placements "
                           f"{placements}: load a sharded checkpoint (get_optimizer_state_dict / "
                           "set_optimizer_state_dict, torch.distributed.checkpoint)")
-        if v.device_mesh != mesh or tuple(v.placements) != placements:
-            raise refuse(f"{where} {k!r} is sharded as {tuple(v.placements)} on {v.device_mesh}, the "
-                          f"parameter as {placements} on {mesh}")
-        if tuple(v.shape) != tuple(p.shape):
-            raise refuse(f"{where} {k!r} has shape {tuple(v.shape)}, expected {tuple(p.shape)}")
+        if v.device_mesh != mesh or tuple(v.placements) != k_placements:
+            raise refuse(f"{where} {k!r} is sharded as {tuple(v.placements)} on {v.device_mesh}, expected "
+                          f"{k_placements} on {mesh} (the parameter's {placements})")
+        if tuple(v.shape) != k_shape:
+            raise refuse(f"{where} {k!r} has shape {tuple(v.shape)}, expected {k_shape}")
         out[k] = v.to_local()
-    if any(k in state for k in ABSMAX_KEYS):
+    if any(st.absmax_key in state for st in spec.states):
         slots, blocks, absmax_placements, aligned = _absmax_layout(p)
         saved = state.get(ABSMAX_LAYOUT_KEY)
         if not isinstance(saved, torch.Tensor) or saved.dtype != torch.int64 or tuple(saved.shape) != (3,):
@@ -177,19 +208,22 @@ def localize_state(state: dict, p: torch.Tensor, where: str) -> dict:
                           f"of {STATE_BLOCK_SIZE} elements reload only at the world size (and mesh) they were "
                           "saved at")
         local_blocks = -(-local_numel(p) // STATE_BLOCK_SIZE)
-        for k in ABSMAX_KEYS:
-            v = state.get(k)
+        for st in spec.states:
+            k, v = st.absmax_key, state.get(st.absmax_key)
             if v is None:
                 continue
-            if not is_dtensor(v) or v.device_mesh != mesh or tuple(v.placements) != tuple(absmax_placements) \
-                    or tuple(v.shape) != (slots * blocks,):
-                raise refuse(f"{where} {k!r} must be a DTensor of shape ({slots * blocks},) with placements "
-                              f"{tuple(absmax_placements)} on {mesh}, got "
+            k_placements = _stacked(absmax_placements, st.moments)
+            k_shape = tuple(st.absmax_shape(slots * blocks))
+            if not is_dtensor(v) or v.device_mesh != mesh or tuple(v.placements) != k_placements \
+                    or tuple(v.shape) != k_shape:
+                raise refuse(f"{where} {k!r} must be a DTensor of shape {k_shape} with placements "
+                              f"{k_placements} on {mesh}, got "
                               f"{tuple(v.placements) if is_dtensor(v) else 'a plain tensor'} of shape "
                               f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
             local = v.to_local()
-            if local.numel() != blocks:
-                raise refuse(f"{where} {k!r} holds {local.numel()} blocks on this rank, expected {blocks}")
-            out[k] = local[:local_blocks]
+            if local.numel() != st.moments * blocks:
+                raise refuse(f"{where} {k!r} holds {local.numel()} blocks on this rank, expected "
+                              f"{st.moments * blocks}")
+            out[k] = local.reshape(st.moments, blocks)[:, :local_blocks].reshape(st.absmax_shape(local_blocks))
     out.pop(ABSMAX_LAYOUT_KEY, None)
     return out
