@@ -29,6 +29,7 @@ from .. import _ops
 from ..quant import STATE_BLOCK_SIZE, dynamic_codebook
 from . import checkpoint, sharding
 from .algorithm import AlgorithmSpec
+from .bucket_chunks import bucket_chunks, write_back
 from .hyperparameters import check_hyperparameters
 from .global_manager import GlobalOptimManager
 from .state_table import StateTable
@@ -357,55 +358,14 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             [t for lst in lists[n_keys:2 * n_keys] for t in lst] if eight_bit else [], lists[-1],
             [first_state[q] for q in spec.qmap_keys] if eight_bit else [])
 
-    @staticmethod
-    def _contiguous_views(params: list[torch.Tensor], grads: list[torch.Tensor]):
-        """Kernels need contiguous tensors; a non-contiguous parameter is updated through a
-        contiguous copy that is written back afterwards."""
-        work_params = [p if p.is_contiguous() else p.contiguous() for p in params]
-        work_grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-        return work_params, work_grads
-
-    @staticmethod
-    def _write_back(params: list[torch.Tensor], work_params: list[torch.Tensor]) -> None:
-        for p, w in zip(params, work_params):
-            if w is not p:
-                p.copy_(w)
-
-    def _chunks(self, bucket: "_Bucket") -> list[list[int]]:
-        """Positions in the bucket, in chunks: all at once unless paged states are not resident."""
-        everything = [list(range(len(bucket.params)))]
-        if self._pager is None or self._pager.all_resident():
-            return everything
-        from ..paging import split_by_bytes
-
-        keys = self.algorithm.state_keys + self.algorithm.absmax_keys
-        return split_by_bytes(everything[0], lambda j: sum(bucket.states[j][k].numel() * bucket.states[j][k].element_size()
-                                                           for k in keys if k in bucket.states[j]), _PAGED_CHUNK_BYTES)
-
-    def _paged_stages(self, bucket: "_Bucket", chunks: list[list[int]]):
-        if self._pager is None or self._pager.all_resident():
-            return range(len(chunks))
-        keys = self.algorithm.state_keys + self.algorithm.absmax_keys
-        return self._pager.stage([[bucket.states[j][k] for j in chunk for k in keys if k in bucket.states[j]]
-                                  for chunk in chunks])
-
     def _bucket_chunks(self, bucket: "_Bucket", bucket_params: list[torch.Tensor], grads: list[torch.Tensor],
                        contiguous: bool):
-        """(params, grads, state lists) per chunk, in the order the chunks are to be updated."""
-        chunks = self._chunks(bucket)
-        for i in self._paged_stages(bucket, chunks):
-            chunk = chunks[i]
-            if len(chunks) == 1:
-                params, chunk_grads, lists = bucket_params, grads, bucket.lists
-            else:
-                params = [bucket_params[j] for j in chunk]
-                chunk_grads = [grads[j] for j in chunk]
-                lists = tuple([lst[j] for j in chunk] for lst in bucket.lists)
-            if contiguous:
-                yield params, params, chunk_grads, lists
-            else:
-                work_params, work_grads = self._contiguous_views(params, chunk_grads)
-                yield params, work_params, work_grads, lists
+        """(params, work params, work grads, state lists) per chunk of the bucket (bucket_chunks.py)."""
+        keys = self.algorithm.state_keys + self.algorithm.absmax_keys
+        return bucket_chunks(self._pager, keys, bucket.states, bucket.lists, bucket_params, grads, contiguous,
+                             _PAGED_CHUNK_BYTES)
+
+    _write_back = staticmethod(write_back)
 
     def _step_bucket(self, group: dict, bucket: "_Bucket", params, grads, contiguous: bool, grad_scale,
                      found_inf) -> None:

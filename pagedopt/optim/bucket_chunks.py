@@ -1,0 +1,59 @@
+"""The pieces of one bucket's fused call: the whole bucket at once while its paged states are
+resident, else chunks of about ``chunk_bytes`` of state that the pager stages (paging in the next
+chunk while the current one is updated); non-contiguous parameters go through contiguous copies
+that are written back."""
+from __future__ import annotations
+
+import torch
+
+
+def contiguous_views(params: list[torch.Tensor], grads: list[torch.Tensor]):
+    """Kernels need contiguous tensors; a non-contiguous parameter is updated through a
+    contiguous copy that is written back afterwards (write_back)."""
+    work_params = [p if p.is_contiguous() else p.contiguous() for p in params]
+    work_grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+    return work_params, work_grads
+
+
+def write_back(params: list[torch.Tensor], work_params: list[torch.Tensor]) -> None:
+    for p, w in zip(params, work_params):
+        if w is not p:
+            p.copy_(w)
+
+
+def _chunks(pager, keys, states: list[dict], chunk_bytes: int) -> list[list[int]]:
+    """Positions in the bucket, in chunks: all at once unless paged states are not resident."""
+    everything = [list(range(len(states)))]
+    if pager is None or pager.all_resident():
+        return everything
+    from ..paging import split_by_bytes
+
+    return split_by_bytes(everything[0], lambda j: sum(states[j][k].numel() * states[j][k].element_size()
+                                                       for k in keys if k in states[j]), chunk_bytes)
+
+
+def _stages(pager, keys, states: list[dict], chunks: list[list[int]]):
+    if pager is None or pager.all_resident():
+        return range(len(chunks))
+    return pager.stage([[states[j][k] for j in chunk for k in keys if k in states[j]] for chunk in chunks])
+
+
+def bucket_chunks(pager, keys, states: list[dict], lists: tuple, bucket_params: list[torch.Tensor],
+                  grads: list[torch.Tensor], contiguous: bool, chunk_bytes: int):
+    """(params, work params, work grads, state lists) per chunk, in the order the chunks are to be
+    updated. ``keys``: the state keys that take memory (what the pager stages); ``lists``: the
+    bucket's state lists (one per key of the fused call)."""
+    chunks = _chunks(pager, keys, states, chunk_bytes)
+    for i in _stages(pager, keys, states, chunks):
+        chunk = chunks[i]
+        if len(chunks) == 1:
+            params, chunk_grads, chunk_lists = bucket_params, grads, lists
+        else:
+            params = [bucket_params[j] for j in chunk]
+            chunk_grads = [grads[j] for j in chunk]
+            chunk_lists = tuple([lst[j] for j in chunk] for lst in lists)
+        if contiguous:
+            yield params, params, chunk_grads, chunk_lists
+        else:
+            work_params, work_grads = contiguous_views(params, chunk_grads)
+            yield params, work_params, work_grads, chunk_lists
