@@ -19,9 +19,10 @@ What is exact and what is not
   unless ``tie_word_embeddings``; the q/k/v biases of Qwen2, the q/k norms of Qwen3).
   Optimizer states, per parameter tensor (``pagedopt.optim.base._init_state``):
 
-  - pagedopt 8-bit, ``numel >= min_8bit_size``: ``2*numel`` (uint8 codes of m and v)
-    ``+ 8*ceil(numel/256)`` (two fp32 absmax per 256-element block) ``+ 4`` (fp32 ``step``);
-  - pagedopt 32-bit, or below ``min_8bit_size``: ``8*numel + 4``;
+  - pagedopt 8-bit, ``numel >= min_8bit_size``: ``k*numel`` (uint8 codes of the k moments: Adam's m
+    and v, k = 2; Lion, SGD, RMSprop, Adagrad k = 1; AdEMAMix k = 3) ``+ 4k*ceil(numel/256)`` (one fp32
+    absmax per moment and 256-element block) ``+ 4`` (fp32 ``step``);
+  - pagedopt 32-bit, or below ``min_8bit_size``: ``4k*numel + 4``;
   - ``torch.optim.AdamW``: ``2*numel*sizeof(param dtype) + 4`` (``exp_avg``/``exp_avg_sq`` take the
     parameter's dtype: bf16 weights get bf16 states).
 
@@ -274,12 +275,12 @@ def normalize_optimizer(name: str) -> str:
 def state_bytes_of_tensor(numel: int, optimizer: str, param_bytes: int, min_8bit_size: int = 4096,
                           embedding: bool = False, embeddings_32bit: bool = False) -> tuple[int, bool]:
     """(state bytes, 8-bit?) of one parameter tensor of ``numel`` elements (see the module docstring)."""
-    label, bits, _ = OPTIMIZERS[normalize_optimizer(optimizer)]
+    label, bits, _, moments = OPTIMIZERS[normalize_optimizer(optimizer)]
     if bits is None:  # torch.optim.AdamW: exp_avg, exp_avg_sq like the parameter, fp32 step
-        return 2 * numel * param_bytes + STEP_BYTES, False
+        return moments * numel * param_bytes + STEP_BYTES, False
     if bits == 8 and numel >= min_8bit_size and not (embedding and embeddings_32bit):
-        return 2 * numel + 2 * 4 * ((numel + BLOCK - 1) // BLOCK) + STEP_BYTES, True
-    return 8 * numel + STEP_BYTES, False
+        return moments * (numel + 4 * ((numel + BLOCK - 1) // BLOCK)) + STEP_BYTES, True
+    return 4 * moments * numel + STEP_BYTES, False
 
 
 def lora_tensors(model: Model, rank: int, mlp: bool = False) -> list[Tensor]:
@@ -378,7 +379,7 @@ def estimate(model: Model, optimizer: str = "adamw_8bit", weights: str = "bf16",
     ``pagedopt.integrations.transformers`` does by default in the Trainer.
     """
     opt = normalize_optimizer(optimizer)
-    _, bits, paged = OPTIMIZERS[opt]
+    _, bits, paged, _ = OPTIMIZERS[opt]
     wb = DTYPE_BYTES[weights]
     n_params = model.n_params
     weight_bytes = n_params * wb
@@ -446,7 +447,7 @@ def format_estimate(e: Estimate, gpu=None, compare: bool = True) -> str:
     s = e.settings
     mode = (f"LoRA r={s['lora_rank']} on q,k,v,o{',gate,up,down' if s['lora_mlp'] else ''}" if s["lora_rank"]
             else "full fine-tuning")
-    label, bits, paged = OPTIMIZERS[e.optimizer]
+    label, bits, paged, _ = OPTIMIZERS[e.optimizer]
     lines = [f"model: {e.n_params:,} parameters ({e.model.source}); trainable: {e.n_trainable:,}",
              f"{mode}; weights {e.weights_dtype}; optimizer {e.optimizer} ({label}"
              + (f", min_8bit_size={s['min_8bit_size']}" if bits == 8 else "") + ")"

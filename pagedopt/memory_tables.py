@@ -15,12 +15,23 @@ GPUS = {
 }
 
 # Optimizer kinds: (label, state width or None for torch, paged).
+# name -> (class, state bits (None: torch's AdamW, states in the parameter's dtype), paged, moments
+# per parameter: Lion, SGD with momentum, RMSprop and Adagrad keep 1, Adam 2, AdEMAMix 3).
 OPTIMIZERS = {
-    "adamw_torch": ("torch.optim.AdamW", None, False),
-    "adamw_8bit": ("pagedopt.AdamW8bit", 8, False),
-    "paged_adamw_8bit": ("pagedopt.PagedAdamW8bit", 8, True),
-    "adamw_32bit": ("pagedopt.AdamW32bit", 32, False),
-    "paged_adamw_32bit": ("pagedopt.PagedAdamW32bit", 32, True),
+    "adamw_torch": ("torch.optim.AdamW", None, False, 2),
+    "adamw_8bit": ("pagedopt.AdamW8bit", 8, False, 2),
+    "paged_adamw_8bit": ("pagedopt.PagedAdamW8bit", 8, True, 2),
+    "adamw_32bit": ("pagedopt.AdamW32bit", 32, False, 2),
+    "paged_adamw_32bit": ("pagedopt.PagedAdamW32bit", 32, True, 2),
+    "lion_8bit": ("pagedopt.Lion8bit", 8, False, 1),
+    "paged_lion_8bit": ("pagedopt.PagedLion8bit", 8, True, 1),
+    "lion_32bit": ("pagedopt.Lion32bit", 32, False, 1),
+    "ademamix_8bit": ("pagedopt.AdEMAMix8bit", 8, False, 3),
+    "paged_ademamix_8bit": ("pagedopt.PagedAdEMAMix8bit", 8, True, 3),
+    "ademamix_32bit": ("pagedopt.AdEMAMix32bit", 32, False, 3),
+    "sgd_8bit": ("pagedopt.SGD8bit (momentum > 0)", 8, False, 1),
+    "rmsprop_8bit": ("pagedopt.RMSprop8bit", 8, False, 1),
+    "adagrad_8bit": ("pagedopt.Adagrad8bit", 8, False, 1),
 }
 _ALIASES = {"adamw": "adamw_torch", "torch": "adamw_torch", "adam_torch": "adamw_torch", "adamw_torch_fused": "adamw_torch",
             "adam_8bit": "adamw_8bit", "paged_adam_8bit": "paged_adamw_8bit", "adam_32bit": "adamw_32bit",
