@@ -278,3 +278,78 @@ def test_ademamix_warmups_of_different_lengths(t_alpha, t_beta3):
         _, size = ademamix_update(ref_m1, ref_m2, ref_nu, step, 0.9, 0.999, alpha_t, hp["eps"])
         bound = 8 * U * (p_old.double().abs() + hp["lr"] * size)
         assert ((p.detach().double() - ref_p).abs() <= bound).all(), ((p.detach().double() - ref_p).abs() - bound).max()
+
+
+ENGINE_CLASSES = ["Lion", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit", "AdEMAMix",
+                  "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit", "SGD",
+                  "SGD8bit", "SGD32bit", "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adagrad", "Adagrad8bit",
+                  "Adagrad32bit"]
+
+
+def _engine_optimizer(name, params):
+    import warnings
+
+    kw = dict(lr=1e-2, min_8bit_size=256)
+    if name.startswith("SGD"):
+        kw["momentum"] = 0.9
+    if name in ("Lion", "PagedLion", "AdEMAMix", "PagedAdEMAMix", "SGD", "RMSprop", "Adagrad"):
+        kw["optim_bits"] = 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Paged* on the CPU: unpaged, with a warning
+        return getattr(pagedopt, name)(params, **kw)
+
+
+@pytest.mark.parametrize("name", ENGINE_CLASSES)
+def test_copies_and_pickles_step_like_the_original(name):
+    """deepcopy and a pickle round trip after two steps: the copies own their states (a step of
+    one changes nothing in the other) and step exactly like the original."""
+    import io
+    import pickle
+    import warnings
+
+    torch.manual_seed(7)
+    params = [torch.nn.Parameter(torch.randn(600)), torch.nn.Parameter(torch.randn(30, 20))]
+    opt = _engine_optimizer(name, params)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    eight_bit = not name.endswith("32bit")
+    assert (opt.state[params[0]]["state1"].dtype == torch.uint8) == eight_bit
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        twin = copy.deepcopy({"p": params, "o": opt})
+        buf = io.BytesIO()
+        pickle.dump({"p": params, "o": opt}, buf)
+        buf.seek(0)
+        pickled = pickle.load(buf)
+    grads = [torch.randn_like(p) for p in params]
+    for ps, o in ((params, opt), (twin["p"], twin["o"]), (pickled["p"], pickled["o"])):
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        o.step()
+    for ps, o in ((twin["p"], twin["o"]), (pickled["p"], pickled["o"])):
+        for a, b in zip(params, ps):
+            assert torch.equal(a, b)
+            for k, v in opt.state[a].items():
+                assert torch.equal(v, o.state[b][k]), k
+                assert v.data_ptr() != o.state[b][k].data_ptr() or k.startswith("qmap"), k
+
+
+@pytest.mark.parametrize("name", ["Lion8bit", "AdEMAMix8bit", "SGD8bit", "RMSprop8bit", "Adagrad8bit"])
+def test_global_optim_manager_override_keeps_a_parameter_32bit(name):
+    """bitsandbytes' GlobalOptimManager: an override of optim_bits=32 for one parameter gives it
+    32-bit states while its neighbour of the same group stays 8-bit."""
+    manager = pagedopt.GlobalOptimManager.get_instance()
+    manager.initialize()
+    try:
+        params = [torch.nn.Parameter(torch.randn(600)), torch.nn.Parameter(torch.randn(600))]
+        manager.override_config(params[1], "optim_bits", 32)
+        opt = _engine_optimizer(name, params)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        assert opt.state[params[0]]["state1"].dtype == torch.uint8
+        assert opt.state[params[1]]["state1"].dtype == torch.float32
+    finally:
+        manager.initialize()
