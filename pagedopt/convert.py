@@ -34,9 +34,19 @@ def to_torch_state_dict(state_dict) -> dict:
     ``decoupled_weight_decay``). The input is not modified and shares no tensor with the output.
     """
     if isinstance(state_dict, torch.optim.Optimizer):
+        from .optim import AdamBase
+
+        if not isinstance(state_dict, AdamBase):
+            raise ValueError(f"to_torch_state_dict exports Adam/AdamW checkpoints; {type(state_dict).__name__} "
+                             "is not an Adam optimizer")
         state_dict = state_dict.state_dict()
     state = {}
     for key, s in state_dict["state"].items():
+        missing = [k for k in ("step", "state1", "state2") if k not in s]
+        if missing or s["state1"].shape != s["state2"].shape:
+            what = f"has no {missing[0]!r}" if missing else "has a state1 shaped unlike its state2"
+            raise ValueError(f"to_torch_state_dict exports Adam/AdamW checkpoints: 'state'[{key!r}] {what} "
+                             "(a checkpoint of another optimizer?)")
         step = s["step"]
         step = step.detach().reshape(()).float().cpu().clone() if isinstance(step, torch.Tensor) else \
             torch.tensor(float(step), dtype=torch.float32)

@@ -353,3 +353,15 @@ def test_global_optim_manager_override_keeps_a_parameter_32bit(name):
         assert opt.state[params[1]]["state1"].dtype == torch.float32
     finally:
         manager.initialize()
+
+
+@pytest.mark.parametrize("name", ["Lion8bit", "AdEMAMix8bit", "AdEMAMix32bit", "SGD8bit"])
+def test_export_to_torch_refuses_other_optimizers_clearly(name):
+    params = [torch.nn.Parameter(torch.randn(600))]
+    opt = _engine_optimizer(name, params)
+    params[0].grad = torch.randn(600)
+    opt.step()
+    with pytest.raises(ValueError, match="exports Adam/AdamW checkpoints"):
+        pagedopt.convert.to_torch_state_dict(opt)
+    with pytest.raises(ValueError, match=r"'state'\[0\] (has no 'state2'|has a state1 shaped unlike)"):
+        pagedopt.convert.to_torch_state_dict(opt.state_dict())
