@@ -53,3 +53,18 @@ def test_runner_kills_a_mutant_and_reports_a_stale_one(tmp_path):
     assert "**Score: 1 / 1 killed (100%)**" in md and "| `smoke_stale` |" in md
     # the checkout itself is never mutated
     assert "b < 1.0" in (ROOT / "pagedopt" / "optim" / "hyperparameters.py").read_text()
+
+
+def test_every_catalog_snippet_is_found_exactly_once():
+    """The catalog grows with the code: a refactor that moves a mutant's snippet must re-point it
+    (a stale mutant tests nothing). Every entry of tests/mutants.toml names a file that exists and
+    a snippet that occurs exactly once in it, and no two entries share a name."""
+    import tomllib
+
+    catalog = tomllib.loads((ROOT / "tests" / "mutants.toml").read_text())["mutant"]
+    assert len(catalog) >= 40
+    names = [m["name"] for m in catalog]
+    assert len(names) == len(set(names)), [n for n in names if names.count(n) > 1]
+    stale = [(m["name"], m["file"], (ROOT / m["file"]).read_text().count(m["find"]) if (ROOT / m["file"]).exists()
+              else "no such file") for m in catalog]
+    assert [s for s in stale if s[2] != 1] == []
