@@ -273,3 +273,36 @@ def test_override_does_not_pass_to_a_tensor_that_reuses_a_freed_id():
     opt2 = pagedopt.AdamW8bit([q], min_8bit_size=256)
     opt2.step()
     assert opt2.state[q]["state1"].dtype == torch.float32
+
+
+def test_set_pager_takes_a_budget_or_a_pager_before_the_first_step():
+    """A paged optimizer takes a device budget ("4GiB", bytes) or a PageManager of its own before it
+    holds states; its stats report the budget, copies keep it, and every misuse is a ValueError
+    that changes nothing."""
+    import copy
+    import warnings
+
+    from pagedopt.paging import PageManager
+
+    warnings.simplefilter("ignore")  # paged classes on the CPU work unpaged and warn
+    params = [torch.nn.Parameter(torch.randn(5000))]
+    opt = pagedopt.PagedAdamW8bit(params)
+    with pytest.raises(ValueError, match="device_budget must be"):
+        opt.set_pager(device_budget="4 parsecs")
+    with pytest.raises(ValueError, match="exactly one"):
+        opt.set_pager()
+    with pytest.raises(ValueError, match="must be a pagedopt.PageManager"):
+        opt.set_pager(pager=object())
+    opt.set_pager(device_budget="3MiB")
+    assert opt.paging_stats().budget_bytes == 3 * 2**20
+    mine = PageManager(budget_bytes=12345)
+    opt.set_pager(mine)
+    params[0].grad = torch.randn(5000)
+    opt.step()
+    assert opt._pager is mine and opt.paging_stats().budget_bytes == 12345
+    assert copy.deepcopy(opt).paging_stats().budget_bytes == 12345
+    with pytest.raises(ValueError, match="already holds states"):
+        opt.set_pager(device_budget=1 << 30)
+    assert opt._pager is mine
+    with pytest.raises(ValueError, match="is not a paged optimizer"):
+        pagedopt.Lion8bit(params).set_pager(device_budget="1GiB")

@@ -30,6 +30,7 @@ from ..quant import STATE_BLOCK_SIZE, dynamic_codebook
 from . import checkpoint, sharding
 from .algorithm import AlgorithmSpec
 from .bucket_chunks import bucket_chunks, write_back
+from .byte_sizes import optimizer_state_bytes, parse_bytes  # noqa: F401  (optimizer_state_bytes: public here)
 from .hyperparameters import check_hyperparameters
 from .global_manager import GlobalOptimManager
 from .state_table import StateTable
@@ -100,12 +101,12 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.state = StateTable(self.state)
 
-    def _start_runtime(self, is_paged: bool) -> None:
+    def _start_runtime(self, is_paged: bool, pager=None) -> None:
         """What an optimizer holds besides its groups and state: the pager, the codebooks and the
         cached step plan (rebuilt after a copy or unpickling)."""
         self.is_paged = bool(is_paged)
-        self._pager = None
-        if self.is_paged:
+        self._pager = pager
+        if self.is_paged and pager is None:
             from ..paging import PageManager
 
             self._pager = PageManager(arena_bytes=_PAGED_SLAB_BYTES)
@@ -437,14 +438,21 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         """What a copy or a pickle holds: groups, defaults and state (each tensor owning its
         storage); the pager and the step plan are rebuilt by __setstate__."""
         return {"defaults": self.defaults, "param_groups": self.param_groups, "is_paged": self.is_paged,
+                "budget_bytes": None if self._pager is None else self._pager.budget_bytes,
                 "state": {p: checkpoint.portable_param_state(s) for p, s in self.state.items()}}
 
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
         is_paged = state.pop("is_paged", False)
+        budget_bytes = state.pop("budget_bytes", None)
         saved_state = state.pop("state", {})
         super().__setstate__(state)
-        self._start_runtime(is_paged)
+        pager = None
+        if is_paged and budget_bytes is not None:  # a copy keeps the original's device budget
+            from ..paging import PageManager
+
+            pager = PageManager(budget_bytes, arena_bytes=_PAGED_SLAB_BYTES)
+        self._start_runtime(is_paged, pager)
         table = StateTable()
         for p, s in saved_state.items():
             s = dict(s)
@@ -456,6 +464,28 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         self.state = table
 
     # ------------------------------------------------------------------ paging
+    def set_pager(self, pager=None, *, device_budget=None) -> None:
+        """Page this optimizer's states through ``pager`` (a ``pagedopt.PageManager``), or through a
+        new one that keeps at most ``device_budget`` paged bytes resident per GPU (an int, or a
+        string such as ``"4GiB"`` or ``"512MiB"``; see PageManager's ``budget_bytes`` for what it
+        does). Paged optimizers only, before their first step: states already made stay where
+        their pager put them, so changing it later raises a ValueError."""
+        from ..paging import PageManager
+
+        if not self.is_paged:
+            raise ValueError(f"{type(self).__name__} is not a paged optimizer; use its Paged* class to page states")
+        if any(len(s) for s in self.state.values()):
+            raise ValueError("set_pager: this optimizer already holds states (set the pager before the first step "
+                             "or load_state_dict)")
+        if (pager is None) == (device_budget is None):
+            raise ValueError("set_pager takes a PageManager or device_budget=..., exactly one of them")
+        if pager is not None and not isinstance(pager, PageManager):
+            raise ValueError(f"set_pager: pager must be a pagedopt.PageManager, got {type(pager).__name__}")
+        if pager is None:
+            pager = PageManager(parse_bytes(device_budget, "device_budget"), arena_bytes=_PAGED_SLAB_BYTES)
+        self._pager = pager
+        self._plan = None
+
     def page_out(self) -> None:
         """Send every paged state to host memory (for example right after step(), to free
         the GPU for activations). A no-op for unpaged optimizers."""
@@ -473,17 +503,3 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     def state_bytes(self) -> int:
         """Bytes held by optimizer state tensors (codes, absmax, 32-bit moments, steps)."""
         return optimizer_state_bytes(self)
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held by any optimizer's state tensors on this process, each storage counted once; the
-    shared codebooks (qmap1/qmap2) are not counted. Under FSDP2 that is this rank's shards (a DTensor
-    state, as torch's optimizers keep, counts its local tensor)."""
-    seen, total = set(), 0
-    for s in optimizer.state.values():
-        for k, v in s.items():
-            v = sharding.local(v) if isinstance(v, torch.Tensor) else v  # a DTensor state counts its local shard
-            if isinstance(v, torch.Tensor) and not k.startswith("qmap") and v.data_ptr() not in seen:
-                seen.add(v.data_ptr())
-                total += v.numel() * v.element_size()
-    return total
