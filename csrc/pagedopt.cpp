@@ -44,16 +44,25 @@ TORCH_LIBRARY(pagedopt, m) {
   // per state key (state1, state2), key after key; a key with several moments holds them stacked.
   // 8-bit: uint8 states, `absmax` laid out like `states` and one codebook per key in `qmaps`;
   // 32-bit: float32 states, `absmax` and `qmaps` empty. `hyper`: the algorithm's
-  // hyperparameters in its documented order. `steps` as for adam8bit_step_.
+  // hyperparameters in its documented order. `steps` as for adam8bit_step_. `scales` (float32, one
+  // per parameter): the per-tensor update scales of lars and lamb (see quantized_update_norm_).
   m.def(
       "quantized_step_(str algorithm, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, "
       "Tensor(c!)[] absmax, Tensor[] steps, Tensor[] qmaps, float[] hyper, Tensor? grad_scale, "
-      "Tensor? found_inf) -> ()");
+      "Tensor? found_inf, Tensor? scales=None) -> ()");
 
   // The same step with the states, steps and codebooks held by a QuantizedStateList.
   m.def(
       "quantized_step_list_(__torch__.torch.classes.pagedopt.QuantizedStateList states, Tensor(a!)[] params, "
-      "Tensor[] grads, float[] hyper, Tensor? grad_scale, Tensor? found_inf) -> ()");
+      "Tensor[] grads, float[] hyper, Tensor? grad_scale, Tensor? found_inf, Tensor? scales=None) -> ()");
+
+  // The first pass of the algorithms whose update is scaled per tensor by its norm (lars, lamb):
+  // writes into `norms` (float64, one per parameter) the sum of squares of each parameter's update
+  // direction, computed from the same inputs as quantized_step_ would, changing nothing else. The
+  // optimizer forms each tensor's scale from it and passes the scales to quantized_step_.
+  m.def(
+      "quantized_update_norm_(str algorithm, Tensor[] params, Tensor[] grads, Tensor[] states, Tensor[] absmax, "
+      "Tensor[] steps, Tensor[] qmaps, float[] hyper, Tensor? grad_scale, Tensor(a!) norms) -> ()");
 
   // Validation of an optimizer's gradients in one call: the index of the first grads[i] that
   // does not match params[i] (strided layout, same dtype, shape and device, a float32 / bfloat16 /

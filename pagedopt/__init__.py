@@ -1,5 +1,5 @@
 """pagedopt: paged, 8-bit blockwise-quantized optimizers for PyTorch."""
-from .optim import (SGD, Adagrad, Adagrad8bit, Adagrad32bit, RMSprop, RMSprop8bit, RMSprop32bit, SGD8bit, SGD32bit,
+from .optim import (LAMB, LARS, LAMB8bit, LAMB32bit, LARS8bit, LARS32bit, SGD, Adagrad, Adagrad8bit, Adagrad32bit, RMSprop, RMSprop8bit, RMSprop32bit, SGD8bit, SGD32bit,
                     AdEMAMix, AdEMAMix8bit, AdEMAMix32bit, Lion, Lion8bit, Lion32bit, PagedAdEMAMix,
                     PagedAdEMAMix8bit, PagedAdEMAMix32bit, PagedLion, PagedLion8bit, PagedLion32bit, QuantizedOptimizer,
                     Adam, Adam8bit, Adam32bit, AdamBase, AdamW, AdamW8bit, AdamW32bit, GlobalOptimManager,
@@ -12,4 +12,5 @@ __all__ = ["Adam", "Adam8bit", "Adam32bit", "AdamBase", "AdamW", "AdamW8bit", "A
            "PagedAdam8bit", "PagedAdam32bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit", "PageManager",
            "QuantizedOptimizer", "Lion", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit",
            "AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit",
-           "SGD", "SGD8bit", "SGD32bit", "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adagrad", "Adagrad8bit", "Adagrad32bit"]
+           "SGD", "SGD8bit", "SGD32bit", "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adagrad", "Adagrad8bit", "Adagrad32bit",
+           "LARS", "LARS8bit", "LARS32bit", "LAMB", "LAMB8bit", "LAMB32bit"]

@@ -47,12 +47,25 @@ def adam8bit_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
 def quantized_step_(algorithm: str, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                     states: Sequence[Sequence[torch.Tensor]], absmax: Sequence[Sequence[torch.Tensor]], steps,
                     qmaps: Sequence[torch.Tensor], hyper: Sequence[float], *,
-                    grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> None:
+                    grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None,
+                    scales: Optional[torch.Tensor] = None) -> None:
     """One fused step of the generic engine (csrc/include/pagedopt/algorithms.h). ``states`` and
-    ``absmax`` hold one list per state key (``absmax`` and ``qmaps`` empty for 32-bit states)."""
+    ``absmax`` hold one list per state key (``absmax`` and ``qmaps`` empty for 32-bit states);
+    ``scales``: the per-tensor update scales of lars and lamb."""
     ops.quantized_step_(algorithm, list(params), list(grads), [t for key in states for t in key],
                         [t for key in absmax for t in key], list(steps), list(qmaps), [float(h) for h in hyper],
-                        grad_scale, found_inf)
+                        grad_scale, found_inf, scales)
+
+
+def quantized_update_norm_(algorithm: str, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                           states: Sequence[Sequence[torch.Tensor]], absmax: Sequence[Sequence[torch.Tensor]], steps,
+                           qmaps: Sequence[torch.Tensor], hyper: Sequence[float], norms: torch.Tensor, *,
+                           grad_scale: Optional[torch.Tensor] = None) -> None:
+    """The norm pass of lars and lamb: ``norms`` (float64, one per parameter) receives the sum of
+    squares of each parameter's update direction; nothing else changes."""
+    ops.quantized_update_norm_(algorithm, list(params), list(grads), [t for key in states for t in key],
+                               [t for key in absmax for t in key], list(steps), list(qmaps),
+                               [float(h) for h in hyper], grad_scale, norms)
 
 
 @torch.library.register_fake("pagedopt::quantize_blockwise")
@@ -135,8 +148,15 @@ def _advise_fake(t, to):
 
 
 @torch.library.register_fake("pagedopt::quantized_step_")
-def _quantized_step_fake(algorithm, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf):
+def _quantized_step_fake(algorithm, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf,
+                         scales=None):
     torch._check(len(grads) == len(params) and len(steps) == len(params))
+    return None
+
+
+@torch.library.register_fake("pagedopt::quantized_update_norm_")
+def _quantized_update_norm_fake(algorithm, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, norms):
+    torch._check(len(grads) == len(params) and norms.numel() == len(params))
     return None
 
 
@@ -156,7 +176,7 @@ class FakeQuantizedStateList:
 
 
 @torch.library.register_fake("pagedopt::quantized_step_list_")
-def _quantized_step_list_fake(states, params, grads, hyper, grad_scale, found_inf):
+def _quantized_step_list_fake(states, params, grads, hyper, grad_scale, found_inf, scales=None):
     # the held states are updated in place too (see _adam8bit_step_list_fake)
     n = states.size()
     torch._check(len(params) == n and len(grads) == n,

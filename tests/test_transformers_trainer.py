@@ -49,7 +49,8 @@ NAMES = ["pagedopt_adam", "pagedopt_adamw", "pagedopt_adam_8bit", "pagedopt_adam
          "pagedopt_ademamix_32bit", "pagedopt_paged_ademamix", "pagedopt_paged_ademamix_8bit",
          "pagedopt_paged_ademamix_32bit", "pagedopt_sgd", "pagedopt_sgd_8bit", "pagedopt_sgd_32bit", "pagedopt_rmsprop",
          "pagedopt_rmsprop_8bit", "pagedopt_rmsprop_32bit", "pagedopt_adagrad", "pagedopt_adagrad_8bit",
-         "pagedopt_adagrad_32bit"]
+         "pagedopt_adagrad_32bit", "pagedopt_lars", "pagedopt_lars_8bit", "pagedopt_lars_32bit", "pagedopt_lamb",
+         "pagedopt_lamb_8bit", "pagedopt_lamb_32bit"]
 VARIABLE_WIDTH = [n for n in NAMES if not n.endswith("bit")]  # the width is the optim_bits argument
 SEED, DATA_SEED = 0, 1
 # Hyperparameters unlike every default, so that each one is seen to come from the arguments.
@@ -67,7 +68,7 @@ def registered():
 def expected_class(name: str) -> type:
     """The class a name stands for, by the naming rule (pagedopt_paged_adamw_8bit -> PagedAdamW8bit)."""
     words = {"paged": "Paged", "adam": "Adam", "adamw": "AdamW", "lion": "Lion", "ademamix": "AdEMAMix", "sgd": "SGD",
-             "rmsprop": "RMSprop", "adagrad": "Adagrad"}
+             "rmsprop": "RMSprop", "adagrad": "Adagrad", "lars": "LARS", "lamb": "LAMB"}
     return getattr(pagedopt, "".join(words.get(w, w) for w in name[len("pagedopt_"):].split("_")))
 
 
@@ -77,7 +78,8 @@ def expected_keys(name: str) -> set:
     if "ademamix" in name:
         keys |= {"beta3", "alpha", "t_alpha", "t_beta3"}
     for algorithm, own in (("sgd", {"momentum", "dampening", "nesterov"}), ("rmsprop", {"alpha", "eps"}),
-                           ("adagrad", {"eps"})):
+                           ("adagrad", {"eps"}), ("lars", {"momentum", "dampening", "nesterov", "max_unorm"}),
+                           ("lamb", {"beta1", "beta2", "eps", "max_unorm", "bias_correction", "adam_w_mode"})):
         if algorithm in name:
             keys = set(own)
     if name in VARIABLE_WIDTH:
@@ -131,13 +133,13 @@ def test_trainer_name(tmp_path, name, optim_args):
     opt = inner(trainer.optimizer)
     assert type(opt) is expected_class(name)
     assert opt.defaults["lr"] == args.learning_rate
-    if any(a in name for a in ("adam", "lion", "ademamix")):
+    if any(a in name for a in ("adam", "lion", "ademamix", "lamb")):
         betas = (args.adam_beta1, args.adam_beta2) + ((0.9999,) if "ademamix" in name else ())
         assert tuple(opt.defaults["betas"]) == betas
         assert opt.defaults.get("eps") == (None if "lion" in name else args.adam_epsilon)
     else:  # SGD, RMSprop, Adagrad take neither betas nor adam_epsilon (their own defaults, or optim_args)
         assert "betas" not in opt.defaults
-        assert opt.defaults.get("eps") == {"sgd": None, "rmsprop": 1e-8, "adagrad": 1e-10}[name.split("_")[1]]
+        assert opt.defaults.get("eps") == {"sgd": None, "rmsprop": 1e-8, "adagrad": 1e-10, "lars": None}[name.split("_")[1]]
     assert sorted({g["weight_decay"] for g in opt.param_groups}) == [0.0, args.weight_decay]
 
     eight_bit = name.endswith("_8bit") or "optim_bits=8" in (optim_args or "")

@@ -14,6 +14,7 @@ void quantized_step_cpu_unchecked(const std::string& name, at::TensorList params
                                   at::TensorList states, at::TensorList absmax, at::TensorList steps,
                                   at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
                                   const std::optional<at::Tensor>& grad_scale,
-                                  const std::optional<at::Tensor>& found_inf);
+                                  const std::optional<at::Tensor>& found_inf,
+                                  const std::optional<at::Tensor>& scales = std::nullopt);
 
 }  // namespace pagedopt

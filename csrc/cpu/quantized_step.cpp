@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <string>
+#include <vector>
 
 #include "cpu_kernels.h"
 #include "pagedopt/algorithms.h"
@@ -70,13 +71,64 @@ void step_tensor(scalar_t* p, const scalar_t* g, int64_t n, const MomentPointers
   });
 }
 
+// The sum of squares of the update directions of one tensor (Algo::direction), in double; nothing
+// is written. Blocks are summed in order, so the result does not depend on the thread count.
+template <typename Algo, typename scalar_t, bool kEightBit>
+double update_norm_tensor(const scalar_t* p, const scalar_t* g, int64_t n, const MomentPointers<Algo::kMoments>& mp,
+                          const typename Algo::Constants& c, float inv_scale) {
+  constexpr int M = Algo::kMoments;
+  const int64_t blocks = ceil_div(n, kStateBlockSize);
+  std::vector<double> partial(static_cast<size_t>(blocks), 0.0);
+  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t lo = b * kStateBlockSize;
+      const int64_t len = std::min<int64_t>(kStateBlockSize, n - lo);
+      double sum = 0.0;
+      for (int64_t j = 0; j < len; ++j) {
+        const int64_t i = lo + j;
+        float s[M];
+        for (int k = 0; k < M; ++k) {
+          s[k] = kEightBit ? dequantize_value(mp.code[k], static_cast<const uint8_t*>(mp.data[k])[i], mp.absmax[k][b])
+                           : static_cast<const float*>(mp.data[k])[i];
+        }
+        const double u = Algo::direction(static_cast<float>(p[i]), static_cast<float>(g[i]) * inv_scale, s, c);
+        sum += u * u;
+      }
+      partial[static_cast<size_t>(b)] = sum;
+    }
+  });
+  double total = 0.0;
+  for (double x : partial) total += x;
+  return total;
+}
+
+// The moment pointers of params[i] (see quantized_step_'s layout of `states` and `absmax`).
+template <typename Algo>
+MomentPointers<Algo::kMoments> moment_pointers(at::TensorList states, at::TensorList absmax, at::TensorList qmaps,
+                                               size_t n, size_t i, int64_t numel, bool eight_bit) {
+  MomentPointers<Algo::kMoments> mp{};
+  const int64_t blocks = ceil_div(numel, kStateBlockSize);
+  for (int j = 0; j < Algo::kMoments; ++j) {
+    const size_t key = static_cast<size_t>(Algo::key_of(j));
+    const int64_t stack = Algo::stack_of(j);
+    const at::Tensor& s = states[key * n + i];
+    mp.data[j] = static_cast<uint8_t*>(s.data_ptr()) + stack * numel * s.element_size();
+    if (eight_bit) {
+      mp.absmax[j] = absmax[key * n + i].data_ptr<float>() + stack * blocks;
+      mp.code[j] = qmaps[key].data_ptr<float>();
+    }
+  }
+  return mp;
+}
+
 }  // namespace
 
 void quantized_step_cpu_unchecked(const std::string& name, at::TensorList params, at::TensorList grads,
                                   at::TensorList states, at::TensorList absmax, at::TensorList steps,
                                   at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
                                   const std::optional<at::Tensor>& grad_scale,
-                                  const std::optional<at::Tensor>& found_inf) {
+                                  const std::optional<at::Tensor>& found_inf,
+                                  const std::optional<at::Tensor>& scales) {
   if (found_inf.has_value() && found_inf->item<float>() != 0.0f) return;
   with_algorithm(name, [&](auto algo) {
     using Algo = decltype(algo);
@@ -89,19 +141,11 @@ void quantized_step_cpu_unchecked(const std::string& name, at::TensorList params
     for (size_t i = 0; i < n; ++i) {
       const int64_t numel = params[i].numel();
       if (numel == 0) continue;
-      const int64_t blocks = ceil_div(numel, kStateBlockSize);
-      MomentPointers<M> mp{};
-      for (int j = 0; j < M; ++j) {
-        const size_t key = static_cast<size_t>(Algo::key_of(j));
-        const int64_t stack = Algo::stack_of(j);
-        const at::Tensor& s = states[key * n + i];
-        mp.data[j] = static_cast<uint8_t*>(s.data_ptr()) + stack * numel * s.element_size();
-        if (eight_bit) {
-          mp.absmax[j] = absmax[key * n + i].data_ptr<float>() + stack * blocks;
-          mp.code[j] = qmaps[key].data_ptr<float>();
-        }
+      const MomentPointers<M> mp = moment_pointers<Algo>(states, absmax, qmaps, n, i, numel, eight_bit);
+      auto c = Algo::constants(h, static_cast<double>(steps[i].item<float>()));
+      if constexpr (has_update_norm<Algo>::value) {
+        if (scales.has_value()) c.update_scale = scales->data_ptr<float>()[i];
       }
-      const auto c = Algo::constants(h, static_cast<double>(steps[i].item<float>()));
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[i].scalar_type(), "quantized_step_cpu", [&] {
         auto* p = params[i].data_ptr<scalar_t>();
         const auto* g = grads[i].data_ptr<scalar_t>();
@@ -121,12 +165,45 @@ namespace {
 void quantized_step_cpu(c10::string_view algorithm, at::TensorList params, at::TensorList grads,
                         at::TensorList states, at::TensorList absmax, at::TensorList steps, at::TensorList qmaps,
                         c10::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_scale,
-                        const std::optional<at::Tensor>& found_inf) {
+                        const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& scales) {
   const std::string name(algorithm);
   const bool eight_bit =
-      check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf);
+      check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf, scales);
   quantized_step_cpu_unchecked(name, params, grads, states, absmax, steps, qmaps, hyper, eight_bit, grad_scale,
-                               found_inf);
+                               found_inf, scales);
+}
+
+void quantized_update_norm_cpu(c10::string_view algorithm, at::TensorList params, at::TensorList grads,
+                               at::TensorList states, at::TensorList absmax, at::TensorList steps,
+                               at::TensorList qmaps, c10::ArrayRef<double> hyper,
+                               const std::optional<at::Tensor>& grad_scale, const at::Tensor& norms) {
+  const std::string name(algorithm);
+  const bool eight_bit = check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale,
+                                              std::nullopt, norms, "norms", at::kDouble);
+  const float inv_scale = grad_scale.has_value() ? 1.0f / grad_scale->item<float>() : 1.0f;
+  OptimizerHyper h{};
+  std::copy(hyper.begin(), hyper.end(), h.v);
+  double* out = norms.data_ptr<double>();
+  with_algorithm(name, [&](auto algo) {
+    using Algo = decltype(algo);
+    if constexpr (has_update_norm<Algo>::value) {
+      const size_t n = params.size();
+      for (size_t i = 0; i < n; ++i) {
+        const int64_t numel = params[i].numel();
+        out[i] = 0.0;
+        if (numel == 0) continue;
+        const auto mp = moment_pointers<Algo>(states, absmax, qmaps, n, i, numel, eight_bit);
+        const auto c = Algo::constants(h, static_cast<double>(steps[i].item<float>()));
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[i].scalar_type(), "quantized_update_norm_cpu",
+                                        [&] {
+          const auto* p = params[i].data_ptr<scalar_t>();
+          const auto* g = grads[i].data_ptr<scalar_t>();
+          out[i] = eight_bit ? update_norm_tensor<Algo, scalar_t, true>(p, g, numel, mp, c, inv_scale)
+                             : update_norm_tensor<Algo, scalar_t, false>(p, g, numel, mp, c, inv_scale);
+        });
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -134,6 +211,7 @@ void quantized_step_cpu(c10::string_view algorithm, at::TensorList params, at::T
 TORCH_LIBRARY_IMPL(pagedopt, CPU, m) {
   m.impl("quantized_step_", &quantized_step_cpu);
   m.impl("quantized_step_list_", &quantized_step_list<quantized_step_cpu>);
+  m.impl("quantized_update_norm_", &quantized_update_norm_cpu);
 }
 
 }  // namespace pagedopt

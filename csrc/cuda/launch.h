@@ -24,11 +24,14 @@ void adam8bit_step_cuda_unchecked(at::TensorList params, at::TensorList grads, a
                                   const std::optional<at::Tensor>& found_inf);
 
 // The generic quantized-state step (csrc/cuda/quantized_step.cu); `eight_bit` as
-// check_quantized_step_args returned it.
+// check_quantized_step returned it. With `norms`, the norm pass instead (quantized_update_norm_):
+// nothing but `norms` is written.
 void quantized_step_cuda_unchecked(const std::string& algorithm, at::TensorList params, at::TensorList grads,
                                    at::TensorList states, at::TensorList absmax, at::TensorList steps,
                                    at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
                                    const std::optional<at::Tensor>& grad_scale,
-                                   const std::optional<at::Tensor>& found_inf);
+                                   const std::optional<at::Tensor>& found_inf,
+                                   const std::optional<at::Tensor>& scales = std::nullopt,
+                                   const std::optional<at::Tensor>& norms = std::nullopt);
 
 }  // namespace pagedopt

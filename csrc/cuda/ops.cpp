@@ -41,15 +41,29 @@ void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
 void quantized_step_cuda(c10::string_view algorithm, at::TensorList params, at::TensorList grads,
                          at::TensorList states, at::TensorList absmax, at::TensorList steps, at::TensorList qmaps,
                          c10::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_scale,
-                         const std::optional<at::Tensor>& found_inf) {
+                         const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& scales) {
   const std::string name(algorithm);
   const bool eight_bit =
-      check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf);
+      check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf, scales);
   if (!params.empty()) {
     TORCH_CHECK(params[0].is_cuda(), "quantized_step_: the CUDA kernel got tensors on ", params[0].device());
   }
   quantized_step_cuda_unchecked(name, params, grads, states, absmax, steps, qmaps, hyper, eight_bit, grad_scale,
-                                found_inf);
+                                found_inf, scales);
+}
+
+void quantized_update_norm_cuda(c10::string_view algorithm, at::TensorList params, at::TensorList grads,
+                                at::TensorList states, at::TensorList absmax, at::TensorList steps,
+                                at::TensorList qmaps, c10::ArrayRef<double> hyper,
+                                const std::optional<at::Tensor>& grad_scale, const at::Tensor& norms) {
+  const std::string name(algorithm);
+  const bool eight_bit = check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale,
+                                              std::nullopt, norms, "norms", at::kDouble);
+  if (!params.empty()) {
+    TORCH_CHECK(params[0].is_cuda(), "quantized_update_norm_: the CUDA kernel got tensors on ", params[0].device());
+  }
+  quantized_step_cuda_unchecked(name, params, grads, states, absmax, steps, qmaps, hyper, eight_bit, grad_scale,
+                                std::nullopt, std::nullopt, norms);
 }
 
 }  // namespace
@@ -57,6 +71,7 @@ void quantized_step_cuda(c10::string_view algorithm, at::TensorList params, at::
 TORCH_LIBRARY_IMPL(pagedopt, CUDA, m) {
   m.impl("quantized_step_", &quantized_step_cuda);
   m.impl("quantized_step_list_", &quantized_step_list<quantized_step_cuda>);
+  m.impl("quantized_update_norm_", &quantized_update_norm_cuda);
   m.impl("quantize_blockwise", &quantize_blockwise_cuda);
   m.impl("dequantize_blockwise", &dequantize_blockwise_cuda);
   m.impl("adam8bit_step_", &adam8bit_step_cuda);

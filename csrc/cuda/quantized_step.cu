@@ -37,6 +37,8 @@ struct TensorMeta {
   void* state[kMaxKeys];
   float* absmax[kMaxKeys];
   const float* step;
+  const float* scale;  // the tensor's update scale (lars, lamb), or nullptr
+  double* norm;        // the norm pass's output for the tensor, or nullptr
   int64_t numel;
 };
 
@@ -88,7 +90,10 @@ __global__ void __launch_bounds__(kStepThreads) quantized_step_kernel(const Step
     const int64_t lb = b - args.starts[t];
     const int64_t n = m.numel;
     const int64_t blocks = ceil_div(n, kStateBlockSize);
-    const auto c = Algo::constants(args.hyper, static_cast<double>(*m.step));
+    auto c = Algo::constants(args.hyper, static_cast<double>(*m.step));
+    if constexpr (has_update_norm<Algo>::value) {
+      if (m.scale != nullptr) c.update_scale = *m.scale;
+    }
     T* p = static_cast<T*>(m.p);
     const T* g = static_cast<const T*>(m.g);
     float old_absmax[M];
@@ -153,11 +158,76 @@ __global__ void __launch_bounds__(kStepThreads) quantized_step_kernel(const Step
   }
 }
 
+// The norm pass (quantized_update_norm_): each warp adds the squares of its block's update
+// directions, in double, to its tensor's norm (one atomicAdd per block: the sum's rounding
+// depends on the order of the blocks, so it may differ from the CPU's in the last bits).
+template <typename Algo, typename T, bool kEightBit>
+__global__ void __launch_bounds__(kStepThreads) update_norm_kernel(const StepArgs args) {
+  constexpr int M = Algo::kMoments;
+  constexpr int K = Algo::kKeys;
+  __shared__ float s_code[K][kCodebookSize];
+  if (kEightBit) {
+    for (int i = threadIdx.x; i < K * kCodebookSize; i += blockDim.x) {
+      s_code[i / kCodebookSize][i % kCodebookSize] = args.qmap[i / kCodebookSize][i % kCodebookSize];
+    }
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kStepWarps;
+  const float inv_scale = args.grad_scale != nullptr ? 1.0f / *args.grad_scale : 1.0f;
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kStepWarps + threadIdx.x / kWarp; b < args.total_blocks;
+       b += warps) {
+    const int t = owner_of(args.starts, args.ntensors, b);
+    const TensorMeta& m = args.meta[t];
+    const int64_t lb = b - args.starts[t];
+    const int64_t n = m.numel;
+    const int64_t blocks = ceil_div(n, kStateBlockSize);
+    const auto c = Algo::constants(args.hyper, static_cast<double>(*m.step));
+    const T* p = static_cast<const T*>(m.p);
+    const T* g = static_cast<const T*>(m.g);
+    const int64_t lo = lb * kStateBlockSize;
+    double sum = 0.0;
+    for (int k = 0; k < 8; ++k) {
+      const int64_t i = lo + k * kWarp + lane;
+      if (i < n) {
+        float s[M];
+#pragma unroll
+        for (int j = 0; j < M; ++j) {
+          const int64_t at = Algo::stack_of(j) * n + i;
+          if (kEightBit) {
+            const uint8_t q = static_cast<const uint8_t*>(m.state[Algo::key_of(j)])[at];
+            s[j] = dequantize_value(s_code[Algo::key_of(j)], q,
+                                    m.absmax[Algo::key_of(j)][Algo::stack_of(j) * blocks + lb]);
+          } else {
+            s[j] = static_cast<const float*>(m.state[Algo::key_of(j)])[at];
+          }
+        }
+        const double u = Algo::direction(Elem<T>::load(p + i), Elem<T>::load(g + i) * inv_scale, s, c);
+        sum += u * u;
+      }
+    }
+#pragma unroll
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFullMask, sum, offset);
+    if (lane == 0) atomicAdd(m.norm, sum);
+  }
+}
+
 template <typename Algo, typename T>
-void launch(const StepArgs& args, bool eight_bit, cudaStream_t stream) {
+void launch(const StepArgs& args, bool eight_bit, bool norm_pass, cudaStream_t stream) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want = ceil_div(args.total_blocks, int64_t{kStepWarps});
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t{sms} * 8)));
+  if constexpr (has_update_norm<Algo>::value) {
+    if (norm_pass) {
+      if (eight_bit) {
+        update_norm_kernel<Algo, T, true><<<grid, kStepThreads, 0, stream>>>(args);
+      } else {
+        update_norm_kernel<Algo, T, false><<<grid, kStepThreads, 0, stream>>>(args);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+  }
   if (eight_bit) {
     quantized_step_kernel<Algo, T, true><<<grid, kStepThreads, 0, stream>>>(args);
   } else {
@@ -169,7 +239,8 @@ void launch(const StepArgs& args, bool eight_bit, cudaStream_t stream) {
 template <typename Algo>
 void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList states, at::TensorList absmax,
                     at::TensorList steps, at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
-                    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+                    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                    const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& norms) {
   static_assert(Algo::kKeys <= kMaxKeys, "raise kMaxKeys");
   const size_t n = params.size();
   const at::Device device = params[0].device();
@@ -213,6 +284,8 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
         m.absmax[key] = eight_bit ? absmax[key * n + i].data_ptr<float>() : nullptr;
       }
       m.step = steps[i].data_ptr<float>();
+      m.scale = scales.has_value() ? scales->data_ptr<float>() + i : nullptr;
+      m.norm = norms.has_value() ? norms->data_ptr<double>() + i : nullptr;
       m.numel = params[i].numel();
       acc += ceil_div(m.numel, kStateBlockSize);
       hstarts[si++] = acc;
@@ -227,7 +300,8 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
   StepArgs args{};
   for (int key = 0; key < Algo::kKeys; ++key) args.qmap[key] = eight_bit ? qmaps[key].data_ptr<float>() : nullptr;
   args.grad_scale = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
-  args.found_inf = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
+  // the norm pass ignores found_inf (its result is not used when the step is skipped)
+  args.found_inf = found_inf.has_value() && !norms.has_value() ? found_inf->data_ptr<float>() : nullptr;
   std::copy(hyper.begin(), hyper.end(), args.hyper.v);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   for (int gi = 0; gi < kGroups; ++gi) {
@@ -238,13 +312,13 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
     args.total_blocks = group_blocks[gi];
     switch (group_dtype[gi]) {
       case at::kFloat:
-        launch<Algo, float>(args, eight_bit, stream);
+        launch<Algo, float>(args, eight_bit, norms.has_value(), stream);
         break;
       case at::kBFloat16:
-        launch<Algo, c10::BFloat16>(args, eight_bit, stream);
+        launch<Algo, c10::BFloat16>(args, eight_bit, norms.has_value(), stream);
         break;
       case at::kHalf:
-        launch<Algo, c10::Half>(args, eight_bit, stream);
+        launch<Algo, c10::Half>(args, eight_bit, norms.has_value(), stream);
         break;
       default:
         TORCH_INTERNAL_ASSERT(false);
@@ -258,11 +332,13 @@ void quantized_step_cuda_unchecked(const std::string& algorithm, at::TensorList 
                                    at::TensorList states, at::TensorList absmax, at::TensorList steps,
                                    at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
                                    const std::optional<at::Tensor>& grad_scale,
-                                   const std::optional<at::Tensor>& found_inf) {
+                                   const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& scales,
+                                   const std::optional<at::Tensor>& norms) {
   if (params.empty()) return;
+  if (norms.has_value()) norms->zero_();  // the norm pass adds into it
   with_algorithm(algorithm, [&](auto algo) {
     step_algorithm<decltype(algo)>(params, grads, states, absmax, steps, qmaps, hyper, eight_bit, grad_scale,
-                                   found_inf);
+                                   found_inf, scales, norms);
   });
 }
 

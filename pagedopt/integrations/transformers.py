@@ -90,7 +90,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from ..optim import (SGD, Adagrad, Adagrad8bit, Adagrad32bit, RMSprop, RMSprop8bit, RMSprop32bit, SGD8bit, SGD32bit,
+from ..optim import (LAMB, LARS, LAMB8bit, LAMB32bit, LARS8bit, LARS32bit, SGD, Adagrad, Adagrad8bit, Adagrad32bit, RMSprop, RMSprop8bit, RMSprop32bit, SGD8bit, SGD32bit,
                      AdEMAMix, AdEMAMix8bit, AdEMAMix32bit, Adam, Adam8bit, Adam32bit, AdamW, AdamW8bit, AdamW32bit,
                      GlobalOptimManager, Lion, Lion8bit, Lion32bit, PagedAdam, PagedAdam8bit, PagedAdam32bit,
                      PagedAdamW, PagedAdamW8bit, PagedAdamW32bit, PagedAdEMAMix, PagedAdEMAMix8bit,
@@ -139,6 +139,12 @@ NAMES: dict[str, OptimizerName] = {
     "pagedopt_adagrad": OptimizerName(Adagrad, None),
     "pagedopt_adagrad_8bit": OptimizerName(Adagrad8bit, 8),
     "pagedopt_adagrad_32bit": OptimizerName(Adagrad32bit, 32),
+    "pagedopt_lars": OptimizerName(LARS, None),
+    "pagedopt_lars_8bit": OptimizerName(LARS8bit, 8),
+    "pagedopt_lars_32bit": OptimizerName(LARS32bit, 32),
+    "pagedopt_lamb": OptimizerName(LAMB, None),
+    "pagedopt_lamb_8bit": OptimizerName(LAMB8bit, 8),
+    "pagedopt_lamb_32bit": OptimizerName(LAMB32bit, 32),
 }
 
 # optim_args keys of each algorithm beyond the state width ones (Lion takes no eps; AdEMAMix's
@@ -146,8 +152,10 @@ NAMES: dict[str, OptimizerName] = {
 # "ademamix" names: beta3=0.9999, alpha=5.0 and no warm-up unless given).
 _ALGORITHM_ARGS = {"adam": ("beta1", "beta2", "eps"), "lion": ("beta1", "beta2"),
                    "ademamix": ("beta1", "beta2", "beta3", "alpha", "t_alpha", "t_beta3", "eps"),
-                   "sgd": ("momentum", "dampening", "nesterov"), "rmsprop": ("alpha", "eps"), "adagrad": ("eps",)}
-_TAKES_BETAS = ("adam", "lion", "ademamix")  # betas from adam_beta1 / adam_beta2
+                   "sgd": ("momentum", "dampening", "nesterov"), "rmsprop": ("alpha", "eps"), "adagrad": ("eps",),
+                   "lars": ("momentum", "dampening", "nesterov", "max_unorm"),
+                   "lamb": ("beta1", "beta2", "eps", "max_unorm", "bias_correction", "adam_w_mode")}
+_TAKES_BETAS = ("adam", "lion", "ademamix", "lamb")  # betas from adam_beta1 / adam_beta2
 
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
@@ -198,7 +206,7 @@ def _parse_value(key: str, value: str, optim_args: str):
     def bad(expected):
         return ValueError(f"optim_args {optim_args!r}: {key}={value!r} is not {expected}")
 
-    if key in ("beta1", "beta2", "beta3", "eps", "alpha", "momentum", "dampening"):
+    if key in ("beta1", "beta2", "beta3", "eps", "alpha", "momentum", "dampening", "max_unorm"):
         try:
             v = float(value)
         except ValueError:
@@ -237,8 +245,13 @@ def optimizer_cls_and_kwargs(name, training_args, model: Optional[torch.nn.Modul
     betas = (opts.get("beta1", a.adam_beta1), opts.get("beta2", a.adam_beta2))
     if algorithm in _TAKES_BETAS:
         kwargs["betas"] = betas
-    if algorithm in ("adam", "ademamix"):
+    if algorithm in ("adam", "ademamix", "lamb"):
         kwargs["eps"] = opts.get("eps", a.adam_epsilon)
+    if algorithm == "lars":  # LARS needs momentum: 0.9 unless optim_args says otherwise
+        kwargs["momentum"] = opts.get("momentum", 0.9)
+    for key in ("max_unorm", "bias_correction", "adam_w_mode"):
+        if algorithm in ("lars", "lamb") and key in opts:
+            kwargs[key] = opts[key]
     for key in ("eps", "alpha", "momentum", "dampening", "nesterov"):  # SGD, RMSprop, Adagrad: class defaults
         if algorithm not in _TAKES_BETAS and key in opts:
             kwargs[key] = opts[key]

@@ -4,6 +4,8 @@ from .ademamix import (AdEMAMix, AdEMAMix8bit, AdEMAMix32bit, PagedAdEMAMix, Pag
                        PagedAdEMAMix32bit)
 from .adagrad import Adagrad, Adagrad8bit, Adagrad32bit
 from .base import QuantizedOptimizer
+from .lamb import LAMB, LAMB8bit, LAMB32bit
+from .lars import LARS, LARS8bit, LARS32bit
 from .lion import Lion, Lion8bit, Lion32bit, PagedLion, PagedLion8bit, PagedLion32bit
 from .rmsprop import RMSprop, RMSprop8bit, RMSprop32bit
 from .sgd import SGD, SGD8bit, SGD32bit
@@ -13,4 +15,5 @@ __all__ = ["QuantizedOptimizer", "AdamBase", "GlobalOptimManager", "Adam", "Adam
            "PagedAdam8bit", "PagedAdam32bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit",
            "Lion", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit",
            "AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit",
-           "SGD", "SGD8bit", "SGD32bit", "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adagrad", "Adagrad8bit", "Adagrad32bit"]
+           "SGD", "SGD8bit", "SGD32bit", "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adagrad", "Adagrad8bit", "Adagrad32bit",
+           "LARS", "LARS8bit", "LARS32bit", "LAMB", "LAMB8bit", "LAMB32bit"]

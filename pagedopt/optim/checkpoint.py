@@ -258,6 +258,8 @@ def _materialize(opt: "QuantizedOptimizer", fields: dict, p: torch.Tensor) -> di
             state[k] = default if torch.equal(v.cpu(), default.cpu()) else v.to(p.device, copy=True)
         elif k in MOMENT_KEYS + ABSMAX_KEYS:
             state[k] = opt._state_copy(v, p.device)
+        elif isinstance(v, torch.Tensor):  # e.g. LARS/LAMB's unorm_vec: on the parameter's device
+            state[k] = v.to(p.device, copy=True)
         else:
             state[k] = v
     return state

@@ -21,10 +21,13 @@
 
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "pagedopt/algorithms/adagrad.h"
 #include "pagedopt/algorithms/adam.h"
 #include "pagedopt/algorithms/ademamix.h"
+#include "pagedopt/algorithms/lamb.h"
+#include "pagedopt/algorithms/lars.h"
 #include "pagedopt/algorithms/lion.h"
 #include "pagedopt/algorithms/rmsprop.h"
 #include "pagedopt/algorithms/sgd.h"
@@ -32,6 +35,13 @@
 #include "pagedopt/common.h"
 
 namespace pagedopt {
+
+// Algorithms whose update is scaled per tensor by the norm of its direction (LARS, LAMB) declare
+// kUpdateNorm = true, a direction(p, g, s, c) and a Constants::update_scale that the engine sets.
+template <typename A, typename = void>
+struct has_update_norm : std::false_type {};
+template <typename A>
+struct has_update_norm<A, std::void_t<decltype(A::kUpdateNorm)>> : std::bool_constant<A::kUpdateNorm> {};
 
 template <int N>
 PAGEDOPT_HOST_DEVICE bool counts_for_absmax(const float (&s)[N]) {
@@ -56,18 +66,27 @@ void with_algorithm(const std::string& name, F&& f) {
     f(RMSprop{});
   } else if (name == "adagrad") {
     f(Adagrad{});
+  } else if (name == "lars") {
+    f(LARS{});
+  } else if (name == "lamb") {
+    f(LAMB{});
   } else {
-    TORCH_CHECK_VALUE(false, "quantized_step_: unknown algorithm '", name, "' (adam, lion, ademamix, sgd_momentum, rmsprop, adagrad)");
+    TORCH_CHECK_VALUE(false, "quantized_step_: unknown algorithm '", name, "' (adam, lion, ademamix, sgd_momentum, rmsprop, adagrad, lars, lamb)");
   }
 }
 
 // check_quantized_step_args for the algorithm of that name (its state keys and their stacked
 // moments); returns whether the states are 8-bit.
+// `per_tensor` (optional): the step's `scales` (float32) or the norm pass's `norms` (float64), one
+// entry per parameter, only for algorithms with kUpdateNorm.
 inline bool check_quantized_step(const std::string& algorithm, at::TensorList params, at::TensorList grads,
                                  at::TensorList states, at::TensorList absmax, at::TensorList steps,
                                  at::TensorList qmaps, c10::ArrayRef<double> hyper,
                                  const std::optional<at::Tensor>& grad_scale,
-                                 const std::optional<at::Tensor>& found_inf) {
+                                 const std::optional<at::Tensor>& found_inf,
+                                 const std::optional<at::Tensor>& per_tensor = std::nullopt,
+                                 const char* per_tensor_name = "scales",
+                                 at::ScalarType per_tensor_dtype = at::kFloat) {
   bool eight_bit = false;
   with_algorithm(algorithm, [&](auto algo) {
     using Algo = decltype(algo);
@@ -75,6 +94,17 @@ inline bool check_quantized_step(const std::string& algorithm, at::TensorList pa
     for (int j = 0; j < Algo::kMoments; ++j) stacks[Algo::key_of(j)] += 1;
     eight_bit = check_quantized_step_args(Algo::kKeys, stacks, Algo::kHyper, params, grads, states, absmax, steps,
                                           qmaps, hyper, grad_scale, found_inf);
+    if (per_tensor.has_value()) {
+      TORCH_CHECK(has_update_norm<Algo>::value, "quantized_step_: ", per_tensor_name, " is only for algorithms whose "
+                  "update is scaled by its norm (lars, lamb), not ", algorithm);
+      const at::Tensor& t = *per_tensor;
+      TORCH_CHECK(t.scalar_type() == per_tensor_dtype && t.dim() == 1 &&
+                      t.numel() == static_cast<int64_t>(params.size()) && t.is_contiguous(),
+                  per_tensor_name, " must be a contiguous 1-D ", per_tensor_dtype, " tensor with one entry per parameter (",
+                  params.size(), "), got ", t.scalar_type(), " of shape ", t.sizes());
+      TORCH_CHECK(params.empty() || t.device() == params[0].device(), per_tensor_name, " is on ", t.device(),
+                  ", params on ", params[0].device());
+    }
   });
   return eight_bit;
 }
