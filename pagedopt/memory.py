@@ -76,7 +76,7 @@ CUDA_CONTEXT_BYTES = 768 << 20
 PAGED_CHUNK_BYTES = 64 << 20
 
 from .memory_report import log_memory, memory_report, report_gib  # noqa: F401  (re-exported)
-from .memory_tables import _ALIASES, DTYPE_BYTES, GIB, GPUS, OPTIMIZERS, PRESETS  # noqa: F401
+from .memory_tables import _ALIASES, DTYPE_BYTES, EXTRA_STATE_BYTES, GIB, GPUS, OPTIMIZERS, PRESETS  # noqa: F401
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -275,12 +275,14 @@ def normalize_optimizer(name: str) -> str:
 def state_bytes_of_tensor(numel: int, optimizer: str, param_bytes: int, min_8bit_size: int = 4096,
                           embedding: bool = False, embeddings_32bit: bool = False) -> tuple[int, bool]:
     """(state bytes, 8-bit?) of one parameter tensor of ``numel`` elements (see the module docstring)."""
-    label, bits, _, moments = OPTIMIZERS[normalize_optimizer(optimizer)]
+    name = normalize_optimizer(optimizer)
+    label, bits, _, moments = OPTIMIZERS[name]
+    fixed = STEP_BYTES + EXTRA_STATE_BYTES.get(name, 0)
     if bits is None:  # torch.optim.AdamW: exp_avg, exp_avg_sq like the parameter, fp32 step
-        return moments * numel * param_bytes + STEP_BYTES, False
+        return moments * numel * param_bytes + fixed, False
     if bits == 8 and numel >= min_8bit_size and not (embedding and embeddings_32bit):
-        return moments * (numel + 4 * ((numel + BLOCK - 1) // BLOCK)) + STEP_BYTES, True
-    return 4 * moments * numel + STEP_BYTES, False
+        return moments * (numel + 4 * ((numel + BLOCK - 1) // BLOCK)) + fixed, True
+    return 4 * moments * numel + fixed, False
 
 
 def lora_tensors(model: Model, rank: int, mlp: bool = False) -> list[Tensor]:

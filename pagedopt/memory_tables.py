@@ -32,7 +32,11 @@ OPTIMIZERS = {
     "sgd_8bit": ("pagedopt.SGD8bit (momentum > 0)", 8, False, 1),
     "rmsprop_8bit": ("pagedopt.RMSprop8bit", 8, False, 1),
     "adagrad_8bit": ("pagedopt.Adagrad8bit", 8, False, 1),
+    "lars_8bit": ("pagedopt.LARS8bit", 8, False, 1),
+    "lamb_8bit": ("pagedopt.LAMB8bit", 8, False, 2),
 }
+# bytes per parameter tensor beyond its moments and step: LARS and LAMB keep unorm_vec (one fp32)
+EXTRA_STATE_BYTES = {"lars_8bit": 4, "lamb_8bit": 4}
 _ALIASES = {"adamw": "adamw_torch", "torch": "adamw_torch", "adam_torch": "adamw_torch", "adamw_torch_fused": "adamw_torch",
             "adam_8bit": "adamw_8bit", "paged_adam_8bit": "paged_adamw_8bit", "adam_32bit": "adamw_32bit",
             "paged_adam_32bit": "paged_adamw_32bit"}

@@ -89,13 +89,14 @@ def _make_optimizer(kind: str, params):
     cls = {"adamw_8bit": pagedopt.AdamW8bit, "paged_adamw_8bit": pagedopt.PagedAdamW8bit,
            "adamw_32bit": pagedopt.AdamW32bit, "paged_adamw_32bit": pagedopt.PagedAdamW32bit,
            "lion_8bit": pagedopt.Lion8bit, "ademamix_8bit": pagedopt.AdEMAMix8bit,
-           "ademamix_32bit": pagedopt.AdEMAMix32bit, "rmsprop_8bit": pagedopt.RMSprop8bit}[kind]
-    return cls(params, lr=1e-3, min_8bit_size=MIN_8BIT)
+           "ademamix_32bit": pagedopt.AdEMAMix32bit, "rmsprop_8bit": pagedopt.RMSprop8bit,
+           "lars_8bit": pagedopt.LARS8bit, "lamb_8bit": pagedopt.LAMB8bit}[kind]
+    return cls(params, lr=1e-3, min_8bit_size=MIN_8BIT, **({"momentum": 0.9} if kind == "lars_8bit" else {}))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["adamw_8bit", "paged_adamw_8bit", "adamw_32bit", "adamw_torch", "lion_8bit",
-                                  "ademamix_8bit", "ademamix_32bit", "rmsprop_8bit"])
+                                  "ademamix_8bit", "ademamix_32bit", "rmsprop_8bit", "lars_8bit", "lamb_8bit"])
 def test_bytes_equal_a_real_step(tmp_path, kind, dtype):
     cfg = CONFIGS["gqa_untied"]
     model = _real_model(cfg, dtype)
