@@ -264,7 +264,10 @@ def test_readme_snippets(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------ resume in a new process
 RESUME = [("pagedopt_paged_adamw_8bit", None), ("pagedopt_adam", "optim_bits=8,min_8bit_size=2048,beta1=0.8"),
-          ("pagedopt_adamw_32bit", None)]
+          ("pagedopt_adamw_32bit", None),
+          # the engine's families: stacked states and warm-up schedules, a norm-scaled update, momentum buffers
+          ("pagedopt_paged_ademamix_8bit", "beta3=0.999,t_alpha=4,t_beta3=5"), ("pagedopt_lamb_8bit", None),
+          ("pagedopt_sgd_8bit", "momentum=0.9,nesterov=true")]
 STEPS, AT = 6, 3
 OTHER_SEED = 12345  # the resumed process starts from another initialisation: only the checkpoint can undo it
 
