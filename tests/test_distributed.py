@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import socket
+import tempfile
 
 import pytest
 import torch
@@ -38,20 +38,14 @@ def _local_state_shape(name: str, local: torch.Tensor) -> tuple:
     return ((2,) if "AdEMAMix" in name else ()) + tuple(local.shape)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, backend: str, port: int, scenario, args) -> None:
+def _entry(rank: int, world: int, backend: str, init_method: str, scenario, args) -> None:
     torch.set_num_threads(1)  # two ranks on two shared cores; also one fixed CPU reduction order
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     try:
         scenario(rank, world, device, *args)
         dist.barrier()  # no rank tears down while another is still in a collective (gloo aborts then)
@@ -68,7 +62,10 @@ def _entry(rank: int, world: int, backend: str, port: int, scenario, args) -> No
 
 
 def _launch(scenario, world: int, backend: str, *args) -> None:
-    mp.spawn(_entry, args=(world, backend, _free_port(), scenario, args), nprocs=world, join=True)
+    # a file store in a fresh directory: no TCP port that another process could take between
+    # choosing it and binding it (a free-port probe raced with a concurrent run once)
+    store = os.path.join(tempfile.mkdtemp(prefix="pagedopt-dist-"), "store")
+    mp.spawn(_entry, args=(world, backend, f"file://{store}", scenario, args), nprocs=world, join=True)
 
 
 def _make(name: str, params, **kw):
