@@ -33,9 +33,9 @@ from .bucket_chunks import bucket_chunks, write_back
 from .byte_sizes import optimizer_state_bytes, parse_bytes  # noqa: F401  (optimizer_state_bytes: public here)
 from .hyperparameters import check_hyperparameters
 from .global_manager import GlobalOptimManager
+from .grad_checks import raise_bad_grad, raise_bad_sharding
 from .state_table import StateTable
 
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Paged steps are split into chunks of about this many state bytes, so that paging in the
 # next chunk overlaps the update of the current one.
 _PAGED_CHUNK_BYTES = 64 << 20
@@ -72,10 +72,6 @@ def _run_update(optimizer: "QuantizedOptimizer") -> None:
 # The update as dynamo sees it: a function it does not trace (a graph break), run eagerly even
 # inside a compiled frame. torch._disable_dynamo imports dynamo lazily, at the first compiled step.
 _update_outside_graph = torch._disable_dynamo(_run_update, recursive=True)
-
-
-def _describe(gi: int, pi: int, p: torch.Tensor) -> str:
-    return f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, {p.dtype}, {p.device})"
 
 
 class QuantizedOptimizer(torch.optim.Optimizer):
@@ -127,25 +123,6 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             self._check_hyperparameters(settings, f"param_groups[{len(self.param_groups)}]")
         super().add_param_group(param_group)
         self._plan_version += 1
-
-    @staticmethod
-    def _check_param(gi: int, pi: int, p: torch.Tensor) -> None:
-        g = p.grad
-        if (p.dtype in _SUPPORTED_DTYPES and g.layout == torch.strided and g.dtype == p.dtype
-                and g.shape == p.shape and g.device == p.device):
-            return  # the common case, without building any message
-        where = _describe(gi, pi, p)
-        if p.is_complex():
-            raise ValueError(f"{where}: complex parameters are not supported")
-        if p.dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"{where}: dtype {p.dtype} is not supported (float32, bfloat16, float16 are)")
-        if g.is_sparse or g.layout != torch.strided:
-            raise ValueError(f"{where}: sparse gradients are not supported")
-        if g.dtype != p.dtype:
-            raise ValueError(f"{where}: gradient dtype {g.dtype} differs from the parameter's {p.dtype}")
-        if g.shape != p.shape:
-            raise ValueError(f"{where}: gradient shape {tuple(g.shape)} differs from the parameter's")
-        raise ValueError(f"{where}: gradient is on {g.device}, the parameter on {p.device}")
 
     # ------------------------------------------------------------------ state
     def _codebooks_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,10 +236,10 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         # decided once per plan, so a plain run pays nothing for it.
         plan = self._cached_plan(params)
         sharded = plan.sharded if plan is not None else sharding.has_dtensor(params)
-        work_params, work_grads = sharding.local_tensors(params, grads, self._raise_bad_sharding) if sharded else (params, grads)
+        work_params, work_grads = sharding.local_tensors(params, grads, lambda p, g: raise_bad_sharding(self.param_groups, p, g)) if sharded else (params, grads)
         verdict = _ops.check_grads(work_params, work_grads)
         if verdict >= 0:
-            self._raise_bad_grad(params[verdict])
+            raise_bad_grad(self.param_groups, params[verdict])
         if plan is None:
             plan = self._step_plan(params)
         contiguous = verdict == _ops.GRADS_CONTIGUOUS
@@ -287,19 +264,6 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         if found_inf is not None:
             for device, steps in plan.steps_by_device.items():
                 torch._foreach_sub_(steps, found_inf.to(device, non_blocking=True))
-
-    def _raise_bad_sharding(self, p: torch.Tensor, g: torch.Tensor) -> None:
-        where = next((_describe(gi, pi, p) for gi, group in enumerate(self.param_groups)
-                      for pi, q in enumerate(group["params"]) if q is p), "a parameter")
-        raise ValueError(f"{where}: the parameter is {sharding.describe_layout(p)}, its gradient "
-                         f"{sharding.describe_layout(g)} (they must be sharded alike)")
-
-    def _raise_bad_grad(self, p: torch.Tensor) -> None:
-        for gi, group in enumerate(self.param_groups):
-            for pi, q in enumerate(group["params"]):
-                if q is p:
-                    self._check_param(gi, pi, p)
-        raise ValueError(f"a gradient does not match its parameter (shape {tuple(p.shape)}, {p.dtype})")
 
     def _step_plan(self, params: list[torch.Tensor]) -> "_StepPlan":
         """The buckets of this set of parameters, built once and reused while the parameters with
