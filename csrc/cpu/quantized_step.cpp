@@ -29,6 +29,15 @@ struct MomentPointers {
   const float* code[kMoments];
 };
 
+// Element i's moments (of block b): dequantized codes, or the 32-bit values.
+template <int M, bool kEightBit>
+inline void load_moments(const MomentPointers<M>& mp, int64_t i, int64_t b, float (&s)[M]) {
+  for (int k = 0; k < M; ++k) {
+    s[k] = kEightBit ? dequantize_value(mp.code[k], static_cast<const uint8_t*>(mp.data[k])[i], mp.absmax[k][b])
+                     : static_cast<const float*>(mp.data[k])[i];
+  }
+}
+
 template <typename Algo, typename scalar_t, bool kEightBit>
 void step_tensor(scalar_t* p, const scalar_t* g, int64_t n, const MomentPointers<Algo::kMoments>& mp,
                  const typename Algo::Constants& c, float inv_scale) {
@@ -43,10 +52,7 @@ void step_tensor(scalar_t* p, const scalar_t* g, int64_t n, const MomentPointers
       for (int64_t j = 0; j < len; ++j) {
         const int64_t i = lo + j;
         float s[M];
-        for (int k = 0; k < M; ++k) {
-          s[k] = kEightBit ? dequantize_value(mp.code[k], static_cast<const uint8_t*>(mp.data[k])[i], mp.absmax[k][b])
-                           : static_cast<const float*>(mp.data[k])[i];
-        }
+        load_moments<M, kEightBit>(mp, i, b, s);
         const float gf = static_cast<float>(g[i]) * inv_scale;
         p[i] = static_cast<scalar_t>(Algo::update(static_cast<float>(p[i]), gf, s, c));
         if (kEightBit) {
@@ -87,10 +93,7 @@ double update_norm_tensor(const scalar_t* p, const scalar_t* g, int64_t n, const
       for (int64_t j = 0; j < len; ++j) {
         const int64_t i = lo + j;
         float s[M];
-        for (int k = 0; k < M; ++k) {
-          s[k] = kEightBit ? dequantize_value(mp.code[k], static_cast<const uint8_t*>(mp.data[k])[i], mp.absmax[k][b])
-                           : static_cast<const float*>(mp.data[k])[i];
-        }
+        load_moments<M, kEightBit>(mp, i, b, s);
         const double u = Algo::direction(static_cast<float>(p[i]), static_cast<float>(g[i]) * inv_scale, s, c);
         sum += u * u;
       }

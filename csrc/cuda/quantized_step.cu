@@ -68,18 +68,52 @@ __device__ __forceinline__ int owner_of(const int64_t* __restrict__ starts, int 
   return lo;
 }
 
-template <typename Algo, typename T, bool kEightBit>
-__global__ void __launch_bounds__(kStepThreads) quantized_step_kernel(const StepArgs args) {
-  constexpr int M = Algo::kMoments;
-  constexpr int K = Algo::kKeys;
-  if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;  // grid-uniform
-  __shared__ float s_code[K][kCodebookSize];
+// The codebooks of the 8-bit states into shared memory, then a barrier for the whole block.
+template <int K, bool kEightBit>
+__device__ __forceinline__ void load_codebooks(float (&s_code)[K][kCodebookSize], const StepArgs& args) {
   if (kEightBit) {
     for (int i = threadIdx.x; i < K * kCodebookSize; i += blockDim.x) {
       s_code[i / kCodebookSize][i % kCodebookSize] = args.qmap[i / kCodebookSize][i % kCodebookSize];
     }
   }
   __syncthreads();
+}
+
+// Block lb's absmax of each moment of tensor m (8-bit states; read by every lane before lane 0
+// writes the new ones).
+template <typename Algo, bool kEightBit>
+__device__ __forceinline__ void load_block_absmax(const TensorMeta& m, int64_t lb, int64_t blocks,
+                                                  float (&absmax)[Algo::kMoments]) {
+#pragma unroll
+  for (int j = 0; j < Algo::kMoments; ++j) {
+    absmax[j] = kEightBit ? m.absmax[Algo::key_of(j)][Algo::stack_of(j) * blocks + lb] : 0.0f;
+  }
+}
+
+// Element i's moments: codes dequantized with the block's absmax, or the 32-bit values.
+template <typename Algo, bool kEightBit, int K>
+__device__ __forceinline__ void load_moments(const TensorMeta& m, const float (&s_code)[K][kCodebookSize], int64_t i,
+                                             int64_t n, const float (&absmax)[Algo::kMoments],
+                                             float (&s)[Algo::kMoments]) {
+#pragma unroll
+  for (int j = 0; j < Algo::kMoments; ++j) {
+    const int64_t at = Algo::stack_of(j) * n + i;
+    if (kEightBit) {
+      const uint8_t q = static_cast<const uint8_t*>(m.state[Algo::key_of(j)])[at];
+      s[j] = dequantize_value(s_code[Algo::key_of(j)], q, absmax[j]);
+    } else {
+      s[j] = static_cast<const float*>(m.state[Algo::key_of(j)])[at];
+    }
+  }
+}
+
+template <typename Algo, typename T, bool kEightBit>
+__global__ void __launch_bounds__(kStepThreads) quantized_step_kernel(const StepArgs args) {
+  constexpr int M = Algo::kMoments;
+  constexpr int K = Algo::kKeys;
+  if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;  // grid-uniform
+  __shared__ float s_code[K][kCodebookSize];
+  load_codebooks<K, kEightBit>(s_code, args);
   const int lane = threadIdx.x % kWarp;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kStepWarps;
   const float inv_scale = args.grad_scale != nullptr ? 1.0f / *args.grad_scale : 1.0f;  // as the CPU kernel
@@ -97,28 +131,15 @@ __global__ void __launch_bounds__(kStepThreads) quantized_step_kernel(const Step
     T* p = static_cast<T*>(m.p);
     const T* g = static_cast<const T*>(m.g);
     float old_absmax[M];
-    float new_absmax[M];
-#pragma unroll
-    for (int j = 0; j < M; ++j) {
-      old_absmax[j] = kEightBit ? m.absmax[Algo::key_of(j)][Algo::stack_of(j) * blocks + lb] : 0.0f;
-      new_absmax[j] = 0.0f;
-    }
+    float new_absmax[M] = {};
+    load_block_absmax<Algo, kEightBit>(m, lb, blocks, old_absmax);
     float s[8][M];
     const int64_t lo = lb * kStateBlockSize;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const int64_t i = lo + k * kWarp + lane;
       if (i < n) {
-#pragma unroll
-        for (int j = 0; j < M; ++j) {
-          const int64_t at = Algo::stack_of(j) * n + i;
-          if (kEightBit) {
-            const uint8_t q = static_cast<const uint8_t*>(m.state[Algo::key_of(j)])[at];
-            s[k][j] = dequantize_value(s_code[Algo::key_of(j)], q, old_absmax[j]);
-          } else {
-            s[k][j] = static_cast<const float*>(m.state[Algo::key_of(j)])[at];
-          }
-        }
+        load_moments<Algo, kEightBit>(m, s_code, i, n, old_absmax, s[k]);
         const float gf = Elem<T>::load(g + i) * inv_scale;
         Elem<T>::store(p + i, Algo::update(Elem<T>::load(p + i), gf, s[k], c));
         if (kEightBit) {
@@ -166,12 +187,7 @@ __global__ void __launch_bounds__(kStepThreads) update_norm_kernel(const StepArg
   constexpr int M = Algo::kMoments;
   constexpr int K = Algo::kKeys;
   __shared__ float s_code[K][kCodebookSize];
-  if (kEightBit) {
-    for (int i = threadIdx.x; i < K * kCodebookSize; i += blockDim.x) {
-      s_code[i / kCodebookSize][i % kCodebookSize] = args.qmap[i / kCodebookSize][i % kCodebookSize];
-    }
-  }
-  __syncthreads();
+  load_codebooks<K, kEightBit>(s_code, args);
   const int lane = threadIdx.x % kWarp;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kStepWarps;
   const float inv_scale = args.grad_scale != nullptr ? 1.0f / *args.grad_scale : 1.0f;
@@ -186,22 +202,14 @@ __global__ void __launch_bounds__(kStepThreads) update_norm_kernel(const StepArg
     const T* p = static_cast<const T*>(m.p);
     const T* g = static_cast<const T*>(m.g);
     const int64_t lo = lb * kStateBlockSize;
+    float old_absmax[M];
+    load_block_absmax<Algo, kEightBit>(m, lb, blocks, old_absmax);
     double sum = 0.0;
     for (int k = 0; k < 8; ++k) {
       const int64_t i = lo + k * kWarp + lane;
       if (i < n) {
         float s[M];
-#pragma unroll
-        for (int j = 0; j < M; ++j) {
-          const int64_t at = Algo::stack_of(j) * n + i;
-          if (kEightBit) {
-            const uint8_t q = static_cast<const uint8_t*>(m.state[Algo::key_of(j)])[at];
-            s[j] = dequantize_value(s_code[Algo::key_of(j)], q,
-                                    m.absmax[Algo::key_of(j)][Algo::stack_of(j) * blocks + lb]);
-          } else {
-            s[j] = static_cast<const float*>(m.state[Algo::key_of(j)])[at];
-          }
-        }
+        load_moments<Algo, kEightBit>(m, s_code, i, n, old_absmax, s);
         const double u = Algo::direction(Elem<T>::load(p + i), Elem<T>::load(g + i) * inv_scale, s, c);
         sum += u * u;
       }

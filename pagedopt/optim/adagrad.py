@@ -24,7 +24,6 @@ class AdagradBase(QuantizedOptimizer):
     """Adagrad with an 8-bit blockwise-quantized or 32-bit sum of squared gradients."""
 
     algorithm = ADAGRAD
-    _bits: Any = None
 
     def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0, weight_decay: float = 0,
                  initial_accumulator_value: float = 0, eps: float = 1e-10, optim_bits: int = 32, args: Any = None,

@@ -7,7 +7,6 @@ from typing import Any, Optional
 
 from .algorithm import AlgorithmSpec, StateSpec
 from .base import QuantizedOptimizer
-from .lion import fixed_bits
 
 
 def _check(h: dict, name) -> None:
@@ -31,13 +30,11 @@ class AdEMAMixBase(QuantizedOptimizer):
     """AdEMAMix with 8-bit blockwise-quantized or 32-bit states, optionally paged."""
 
     algorithm = ADEMAMIX
-    _bits: Any = None
     _paged: Any = None
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999, 0.9999), alpha: float = 5.0,
                  t_alpha: Optional[int] = None, t_beta3: Optional[int] = None, eps: float = 1e-8,
                  weight_decay: float = 1e-2, optim_bits: int = 32, min_8bit_size: int = 4096, is_paged: bool = False):
-        optim_bits = fixed_bits(type(self), optim_bits)
         defaults = dict(lr=lr, betas=betas, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
                         weight_decay=weight_decay, optim_bits=optim_bits, min_8bit_size=min_8bit_size)
         super().__init__(params, defaults, is_paged=is_paged if self._paged is None else self._paged)

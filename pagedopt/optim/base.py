@@ -80,6 +80,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     (always ``lr``, ``betas``, ``weight_decay``, ``optim_bits``, ``min_8bit_size``)."""
 
     algorithm: AlgorithmSpec
+    _bits: Optional[int] = None  # the state width a *8bit / *32bit class fixes (None: optim_bits decides)
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
 
     def __init__(self, params, defaults: dict, *, args: Any = None, percentile_clipping: int = 100,
@@ -92,6 +93,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                              "only 100 (no clipping) is; clip gradients before step() instead")
         if not block_wise:
             raise ValueError("block_wise=False is not supported: states are always quantized in blocks of 256")
+        defaults["optim_bits"] = self._fixed_bits(defaults["optim_bits"])
         self._check_hyperparameters(defaults, "argument")
         self._start_runtime(is_paged)
         super().__init__(params, defaults)
@@ -111,6 +113,17 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         self._plan = None
 
     # ------------------------------------------------------------------ validation
+    def _fixed_bits(self, optim_bits):
+        """The state width of a fixed-width class (``_bits``) for the ``optim_bits`` it was given:
+        bitsandbytes' *8bit / *32bit classes take optim_bits and ignore it; pagedopt accepts the
+        default (32) and the class's own width, and refuses anything else rather than ignore it."""
+        if self._bits is None:
+            return optim_bits
+        if optim_bits not in (32, self._bits):
+            raise ValueError(f"optim_bits={optim_bits!r} is not valid for {type(self).__name__}, a {self._bits}-bit "
+                             f"optimizer (pass {self._bits} or leave the default)")
+        return self._bits
+
     @classmethod
     def _check_hyperparameters(cls, h: dict, where: str) -> None:
         spec = cls.algorithm

@@ -6,7 +6,6 @@ quantizes in blocks of 256 (its only 8-bit layout)."""
 from typing import Any
 
 from .algorithm import AlgorithmSpec, StateSpec
-from .lion import fixed_bits
 from .update_norm import ScaledByUpdateNorm
 
 
@@ -29,7 +28,6 @@ class LAMBBase(ScaledByUpdateNorm):
     """LAMB with 8-bit blockwise-quantized or 32-bit moments."""
 
     algorithm = LAMB_SPEC
-    _bits: Any = None
 
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0, amsgrad: bool = False, adam_w_mode: bool = True, optim_bits: int = 32,
@@ -37,7 +35,6 @@ class LAMBBase(ScaledByUpdateNorm):
                  block_wise: bool = False, max_unorm: float = 1.0):
         if amsgrad:
             raise ValueError(f"Invalid amsgrad: True ({type(self).__name__} does not support amsgrad)")
-        optim_bits = fixed_bits(type(self), optim_bits)
         if self._bits == 8 and max_unorm != 1.0:
             raise ValueError(f"Invalid max_unorm: {max_unorm!r} ({type(self).__name__} supports only 1.0, as in "
                              "bitsandbytes; LAMB32bit takes others)")

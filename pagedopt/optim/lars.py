@@ -4,7 +4,6 @@ signatures and state layout (``state1``, ``unorm_vec``). Momentum is required, a
 from typing import Any
 
 from .algorithm import AlgorithmSpec, StateSpec
-from .lion import fixed_bits
 from .sgd import _check as _check_sgd
 from .update_norm import ScaledByUpdateNorm
 
@@ -27,12 +26,10 @@ class LARSBase(ScaledByUpdateNorm):
     """LARS with an 8-bit blockwise-quantized or 32-bit momentum buffer."""
 
     algorithm = LARS_SPEC
-    _bits: Any = None
 
     def __init__(self, params, lr, momentum: float = 0, dampening: float = 0, weight_decay: float = 0,
                  nesterov: bool = False, optim_bits: int = 32, args: Any = None, min_8bit_size: int = 4096,
                  percentile_clipping: int = 100, max_unorm: float = 0.02):
-        optim_bits = fixed_bits(type(self), optim_bits)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         max_unorm=max_unorm, optim_bits=optim_bits, min_8bit_size=min_8bit_size)
         super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping)

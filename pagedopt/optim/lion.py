@@ -15,29 +15,15 @@ class LionBase(QuantizedOptimizer):
     """Lion with 8-bit blockwise-quantized or 32-bit states, optionally paged."""
 
     algorithm = LION
-    _bits: Any = None  # the fixed width of the *8bit / *32bit classes
     _paged: Any = None  # True for the Paged* classes
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0, optim_bits: int = 32,
                  args: Any = None, min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True,
                  is_paged: bool = False):
-        optim_bits = fixed_bits(type(self), optim_bits)
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, optim_bits=optim_bits,
                         min_8bit_size=min_8bit_size)
         super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping, block_wise=block_wise,
                          is_paged=is_paged if self._paged is None else self._paged)
-
-
-def fixed_bits(cls, optim_bits):
-    """``optim_bits`` for a class of fixed width (``cls._bits``): bitsandbytes' fixed-width classes
-    ignore the argument; pagedopt accepts the default (32) and the class's own width and refuses
-    anything else rather than ignore it."""
-    if cls._bits is None:
-        return optim_bits
-    if optim_bits not in (32, cls._bits):
-        raise ValueError(f"optim_bits={optim_bits!r} is not valid for {cls.__name__}, a {cls._bits}-bit optimizer "
-                         f"(pass {cls._bits} or leave the default)")
-    return cls._bits
 
 
 class Lion(LionBase):

@@ -5,7 +5,6 @@ from typing import Any
 
 from .algorithm import AlgorithmSpec, StateSpec
 from .base import QuantizedOptimizer
-from .lion import fixed_bits
 
 
 def _check(h: dict, name) -> None:
@@ -27,12 +26,10 @@ class RMSpropBase(QuantizedOptimizer):
     """RMSprop with an 8-bit blockwise-quantized or 32-bit square average."""
 
     algorithm = RMSPROP
-    _bits: Any = None
 
     def __init__(self, params, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0,
                  momentum: float = 0, centered: bool = False, optim_bits: int = 32, args: Any = None,
                  min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True):
-        optim_bits = fixed_bits(type(self), optim_bits)
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, centered=centered,
                         optim_bits=optim_bits, min_8bit_size=min_8bit_size)
         super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping, block_wise=block_wise)

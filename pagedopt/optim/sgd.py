@@ -7,7 +7,6 @@ import torch
 
 from .algorithm import AlgorithmSpec, StateSpec
 from .base import QuantizedOptimizer
-from .lion import fixed_bits
 
 
 def _check(h: dict, name) -> None:
@@ -33,12 +32,10 @@ class SGDBase(QuantizedOptimizer):
     """SGD with 8-bit blockwise-quantized or 32-bit momentum buffers (none without momentum)."""
 
     algorithm = SGD_MOMENTUM
-    _bits: Any = None
 
     def __init__(self, params, lr, momentum: float = 0, dampening: float = 0, weight_decay: float = 0,
                  nesterov: bool = False, optim_bits: int = 32, args: Any = None, min_8bit_size: int = 4096,
                  percentile_clipping: int = 100, block_wise: bool = True):
-        optim_bits = fixed_bits(type(self), optim_bits)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         optim_bits=optim_bits, min_8bit_size=min_8bit_size)
         super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping, block_wise=block_wise)
@@ -50,10 +47,11 @@ class SGDBase(QuantizedOptimizer):
         """Plain SGD (torch.optim.SGD with momentum = 0): p -= lr * (g + weight_decay * p), in fp32;
         GradScaler's found_inf keeps every parameter as it was (torch.where: no host synchronisation)."""
         lr, wd = float(group["lr"]), float(group["weight_decay"])
+        inv_scale = None if grad_scale is None else grad_scale.reciprocal()  # exact for GradScaler's powers of two
         for p, g in zip(params, grads):
             g32 = g.float()
-            if grad_scale is not None:
-                g32 = g32 * grad_scale.reciprocal()  # exact for GradScaler's powers of two
+            if inv_scale is not None:
+                g32 = g32 * inv_scale
             p32 = p.float()
             if wd != 0:
                 g32 = g32.add(p32, alpha=wd)

@@ -127,14 +127,6 @@ def _stacked(placements, moments: int) -> tuple:
     return tuple(Shard(x.dim + 1) if isinstance(x, Shard) else x for x in placements)
 
 
-def _contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for n in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
-
-
 def sharded_param_state(state: Mapping, p, spec: "AlgorithmSpec") -> dict:
     """A DTensor parameter's state as it goes into a state dict (see above); ``state`` holds local
     tensors, with the keys of ``spec``'s states (plain SGD's states have none)."""
@@ -146,7 +138,7 @@ def sharded_param_state(state: Mapping, p, spec: "AlgorithmSpec") -> dict:
     for st in present:
         shape = torch.Size(st.shape(p.shape))
         out[st.key] = DTensor.from_local(state[st.key], mesh, _stacked(placements, st.moments), run_check=False,
-                                         shape=shape, stride=_contiguous_stride(shape))
+                                         shape=shape, stride=torch.empty(shape, device="meta").stride())
     if present and state[present[0].key].dtype == torch.uint8:
         slots, blocks, absmax_placements, aligned = _absmax_layout(p)
         for st in present:
@@ -159,7 +151,7 @@ def sharded_param_state(state: Mapping, p, spec: "AlgorithmSpec") -> dict:
             shape = torch.Size(st.absmax_shape(slots * blocks))
             out[st.absmax_key] = DTensor.from_local(local.reshape(st.absmax_shape(blocks)), mesh,
                                                     _stacked(absmax_placements, st.moments), run_check=False,
-                                                    shape=shape, stride=_contiguous_stride(shape))
+                                                    shape=shape, stride=torch.empty(shape, device="meta").stride())
         out[ABSMAX_LAYOUT_KEY] = torch.tensor([slots, blocks, int(aligned)], dtype=torch.int64)
     return out
 
