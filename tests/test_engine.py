@@ -3,6 +3,7 @@ optimizers call it: argument checks that name the argument and change nothing, G
 found_inf and grad_scale, and checkpoints of the Lion / AdEMAMix state layouts refused when a key
 or shape is foreign to the algorithm."""
 import copy
+import inspect
 
 import pytest
 import torch
@@ -365,3 +366,34 @@ def test_export_to_torch_refuses_other_optimizers_clearly(name):
         pagedopt.convert.to_torch_state_dict(opt)
     with pytest.raises(ValueError, match=r"'state'\[0\] (has no 'state2'|has a state1 shaped unlike)"):
         pagedopt.convert.to_torch_state_dict(opt.state_dict())
+
+
+# the fixed-width classes that take optim_bits (bitsandbytes' Adam family; its other fixed-width
+# classes have no such argument)
+FIXED_WIDTH = ["Adam8bit", "Adam32bit", "AdamW8bit", "AdamW32bit", "PagedAdam8bit", "PagedAdam32bit",
+               "PagedAdamW8bit", "PagedAdamW32bit"]
+
+
+@pytest.mark.parametrize("name", FIXED_WIDTH)
+def test_fixed_width_classes_refuse_another_optim_bits(name):
+    """bitsandbytes' *8bit / *32bit classes take optim_bits and ignore it; ours accept the default
+    (32) and their own width, and refuse any other value with a ValueError naming the class,
+    rather than silently run at a width the caller did not ask for."""
+    import warnings
+
+    cls = getattr(pagedopt, name)
+    width = 8 if name.endswith("8bit") else 32
+    kw = {}
+    assert "optim_bits" in inspect.signature(cls).parameters
+    for bits in (4, 16, 8 if width == 32 else 64):
+        with pytest.raises(ValueError, match=f"optim_bits={bits} is not valid for {name}"):
+            cls([torch.nn.Parameter(torch.randn(600))], optim_bits=bits, **kw)
+    for bits in (32, width):
+        p = torch.nn.Parameter(torch.randn(600))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = cls([p], optim_bits=bits, min_8bit_size=256, **kw)
+        assert opt.defaults["optim_bits"] == width
+        p.grad = torch.randn(600)
+        opt.step()
+        assert opt.state[p]["state1"].dtype == (torch.uint8 if width == 8 else torch.float32)
