@@ -47,6 +47,14 @@ import common as C  # noqa: E402
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 LION_HYPER = dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=1e-2)
 ADEMAMIX_HYPER = dict(lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, eps=1e-8, weight_decay=1e-2)
+# (class, hyperparameters, moment arrays per parameter); LARS and LAMB add a norm pass over the update
+FAMILY2_ROWS = (
+    ("SGD8bit", dict(lr=1e-3, momentum=0.9, weight_decay=1e-2), 1),
+    ("RMSprop8bit", dict(lr=1e-3, alpha=0.99, eps=1e-8, weight_decay=1e-2), 1),
+    ("Adagrad8bit", dict(lr=1e-2, eps=1e-10, weight_decay=1e-2), 1),
+    ("LARS8bit", dict(lr=1e-3, momentum=0.9, weight_decay=1e-2), 1),
+    ("LAMB8bit", dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2), 2),
+)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MANAGED_LIMIT = 16 * (1 << 30)
 
@@ -148,6 +156,11 @@ def build_specs(args) -> list[Spec]:
              moments=3),
         Spec("bnb_ademamix8bit", "bnb", 8, lambda ps: _bnb().optim.AdEMAMix8bit(ps, **ADEMAMIX_HYPER), moments=3),
     ]
+    for cls, hyper, moments in FAMILY2_ROWS:  # SGD, RMSprop, Adagrad, LARS, LAMB: pagedopt, then bitsandbytes
+        specs.append(Spec(f"pagedopt_{cls.lower()}", "pagedopt", 8,
+                          lambda ps, c=cls, h=hyper: getattr(_pagedopt(), c)(ps, **h), moments=moments))
+        specs.append(Spec(f"bnb_{cls.lower()}", "bnb", 8,
+                          lambda ps, c=cls, h=hyper: getattr(_bnb().optim, c)(ps, **h), moments=moments))
     if not args.no_torchao:
         sets = ("tinyllama", "small") if args.torchao_small else ("tinyllama",)
         dtypes = ("fp32", "bf16") if args.torchao_bf16 else ("fp32",)

@@ -166,7 +166,8 @@ class Scratch:
         if not sos:
             raise SystemExit("pagedopt/_C*.so is not built in the checkout: run `make setup` first")
         for so in sos:
-            shutil.copy2(so, p / "pagedopt" / so.name)
+            if so.resolve() != (p / "pagedopt" / so.name).resolve():  # --workdir . reuses the checkout's build
+                shutil.copy2(so, p / "pagedopt" / so.name)
         self.pristine_so = p / ".mutation-pristine" / sos[0].name
         self.pristine_so.parent.mkdir(exist_ok=True)
         shutil.copy2(sos[0], self.pristine_so)
