@@ -93,19 +93,29 @@ def test_8bit_step_property(seed, shape, lion, steps, lr, wd, betas_i, scale, sc
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and the CUDA kernels")
 @pytest.mark.parametrize("name", ["Lion8bit", "AdEMAMix8bit", "PagedAdEMAMix8bit"])
-def test_cuda_and_cpu_codes_are_bit_identical(name):
+@pytest.mark.parametrize("layout", ["40x130", "1001", "offset"])
+def test_cuda_and_cpu_codes_are_bit_identical(name, layout):
     """Same parameters, same gradients, 3 steps on CPU and on CUDA: the 8-bit codes and the absmax
     are bit for bit the same after every step (the moments see only g and the shared element math;
     decoupled decay keeps p out of them). Parameters: an FMA contraction or the GPU's approximate
     sqrt and division may differ by one fp32 ulp of p and 2^-19 of the update per step, with
-    |update| <= 5 lr here (Adam's 3.2 lr bound of the first steps plus alpha*m2's share; Lion: lr)."""
+    |update| <= 5 lr here (Adam's 3.2 lr bound of the first steps plus alpha*m2's share; Lion: lr).
+    Layouts: 20 full blocks and a tail of 80; 1001 elements (AdEMAMix's second stacked moment starts
+    at byte 1001 of state1, not 8-byte aligned: the kernel's scalar path); a parameter at element
+    offset 1 of its storage (not 16-byte aligned: every block on the scalar path)."""
     gen = torch.Generator().manual_seed(12)
-    p0 = torch.randn(40, 130, generator=gen)
-    pc, pg = p0.clone().requires_grad_(True), p0.cuda().requires_grad_(True)
+    shape = {"40x130": (40, 130), "1001": (1001,), "offset": (40, 130)}[layout]
+    p0 = torch.randn(shape, generator=gen)
+    if layout == "offset":
+        pc = torch.randn(p0.numel() + 1)[1:].view(shape).copy_(p0).requires_grad_(True)
+        pg = torch.randn(p0.numel() + 1, device="cuda")[1:].view(shape).copy_(p0).requires_grad_(True)
+        assert pg.data_ptr() % 16 != 0
+    else:
+        pc, pg = p0.clone().requires_grad_(True), p0.cuda().requires_grad_(True)
     oc = getattr(pagedopt, name)([pc], lr=1e-3, weight_decay=0.1)
     og = getattr(pagedopt, name)([pg], lr=1e-3, weight_decay=0.1)
     for t in range(3):
-        g = torch.randn(40, 130, generator=gen) * 0.1
+        g = torch.randn(shape, generator=gen) * 0.1
         pc.grad, pg.grad = g.clone(), g.cuda()
         oc.step()
         og.step()

@@ -3,20 +3,13 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <vector>
-
 #include "cpu_kernels.h"
+#include "pagedopt/adam8bit_op.h"
 #include "pagedopt/adam_state_list.h"
 #include "pagedopt/checks.h"
 
 namespace pagedopt {
 namespace {
-
-std::vector<at::Tensor> concat(at::TensorList a, at::TensorList b) {
-  std::vector<at::Tensor> out(a.begin(), a.end());
-  out.insert(out.end(), b.begin(), b.end());
-  return out;
-}
 
 void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList state1,
                        at::TensorList state2, at::TensorList absmax1, at::TensorList absmax2,
@@ -25,9 +18,10 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
                        const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   check_adam8bit_args(params, grads, state1, state2, absmax1, absmax2, steps, code1, code2, grad_scale,
                       found_inf);
-  const double hyper[] = {lr, beta1, beta2, eps, weight_decay, decoupled ? 1.0 : 0.0};
-  quantized_step_cpu_unchecked("adam", params, grads, concat(state1, state2), concat(absmax1, absmax2), steps,
-                               {code1, code2}, hyper, /*eight_bit=*/true, grad_scale, found_inf);
+  const auto call = adam8bit_engine_call(state1, state2, absmax1, absmax2, lr, beta1, beta2, eps, weight_decay,
+                                         decoupled);
+  quantized_step_cpu_unchecked("adam", params, grads, call.states, call.absmax, steps, {code1, code2}, call.hyper,
+                               /*eight_bit=*/true, grad_scale, found_inf);
 }
 
 }  // namespace

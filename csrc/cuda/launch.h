@@ -16,13 +16,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda_unchecked(const at::T
 at::Tensor dequantize_blockwise_cuda_unchecked(const at::Tensor& codes, const at::Tensor& absmax,
                                                const at::Tensor& code, int64_t blocksize, at::ScalarType dtype);
 
-void adam8bit_step_cuda_unchecked(at::TensorList params, at::TensorList grads, at::TensorList state1,
-                                  at::TensorList state2, at::TensorList absmax1, at::TensorList absmax2,
-                                  at::TensorList steps, const at::Tensor& code1, const at::Tensor& code2, double lr,
-                                  double beta1, double beta2, double eps, double weight_decay, bool decoupled,
-                                  const std::optional<at::Tensor>& grad_scale,
-                                  const std::optional<at::Tensor>& found_inf);
-
 // The generic quantized-state step (csrc/cuda/quantized_step.cu); `eight_bit` as
 // check_quantized_step returned it. With `norms`, the norm pass instead (quantized_update_norm_):
 // nothing but `norms` is written.

@@ -1,5 +1,6 @@
 #pragma once
-// Helpers shared by csrc/cuda/quantize.cu and csrc/cuda/adam8bit.cu.
+// Helpers shared by csrc/cuda/quantize.cu and the engine's kernels (csrc/cuda/quantized_step.cu,
+// csrc/cuda/eight_bit_step_kernel.cuh).
 //
 // The first half (up to the `__CUDACC__` section) is plain host/device C++ so that a host test
 // can compile it with g++ and check it against the reference functions of pagedopt/codebook.h
@@ -192,8 +193,6 @@ PAGEDOPT_HOST_DEVICE uint32_t fast_nearest_code(const uint32_t* table, float x) 
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-
-#include "pagedopt/adam.h"
 
 namespace pagedopt {
 namespace cuda_detail {

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "launch.h"
+#include "pagedopt/adam8bit_op.h"
 #include "pagedopt/adam_state_list.h"
 #include "pagedopt/algorithms.h"
 #include "pagedopt/quantized_state_list.h"
@@ -34,8 +35,10 @@ void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
   if (!params.empty()) {
     TORCH_CHECK(params[0].is_cuda(), "adam8bit_step_: the CUDA kernel got tensors on ", params[0].device());
   }
-  adam8bit_step_cuda_unchecked(params, grads, state1, state2, absmax1, absmax2, steps, code1, code2, lr, beta1,
-                               beta2, eps, weight_decay, decoupled, grad_scale, found_inf);
+  const auto call = adam8bit_engine_call(state1, state2, absmax1, absmax2, lr, beta1, beta2, eps, weight_decay,
+                                         decoupled);
+  quantized_step_cuda_unchecked("adam", params, grads, call.states, call.absmax, steps, {code1, code2}, call.hyper,
+                                /*eight_bit=*/true, grad_scale, found_inf);
 }
 
 void quantized_step_cuda(c10::string_view algorithm, at::TensorList params, at::TensorList grads,

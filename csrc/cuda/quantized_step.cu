@@ -1,12 +1,19 @@
-// CUDA kernel of the generic quantized-state engine: one fused step of any algorithm of
-// pagedopt/algorithms.h over a list of tensors, 8-bit (blockwise codes) or 32-bit states.
+// CUDA kernels of the generic quantized-state engine: one fused step of any algorithm of
+// pagedopt/algorithms.h over a list of tensors, 8-bit (blockwise codes) or 32-bit states, and the
+// norm pass of the algorithms whose update is scaled by its norm (LARS, LAMB).
 //
-// The element math is the algorithm's update() and the quantization is codebook.h's, as on the
-// CPU, so the states come out bit for bit as the CPU's. One warp owns one 256-element block:
-// element lo + k * 32 + lane for k < 8 (coalesced scalar accesses), moments kept in registers
-// while the warp reduces the block's new absmax, then the codes written. Each warp computes its
-// tensor's constants from the step tensor on the GPU (no host synchronisation). Codebooks are read
-// from shared memory with codebook.h's nearest_code.
+// The element math is the algorithm's update() and the quantization is codebook.h's nearest code,
+// as on the CPU, so the states come out bit for bit as the CPU's. Launches per call: one H2D copy
+// of a metadata table (pinned, non_blocking), one setup kernel (the codebooks' search tables and
+// each tensor's constants, from its step count on the GPU: no host synchronisation), and one step
+// kernel per parameter dtype.
+//
+// The 8-bit step kernel (eight_bit_step_kernel.cuh): one warp owns one 256-element block, 8
+// consecutive elements per lane, vector loads and stores, one warp reduction per moment's absmax,
+// the codes written once the new absmaxes are known, the warp's next block prefetched into L2.
+// Dequantization reads a 32-way replicated codebook (lane l reads copy l: no bank conflicts),
+// quantization one table entry per value (multi_tensor.cuh). The 32-bit states and the norm pass
+// use a plain kernel (element lo + k * 32 + lane of the block).
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -14,11 +21,12 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 #include <vector>
 
 #include "launch.h"
-#include "multi_tensor.cuh"
+#include "eight_bit_step_kernel.cuh"
 #include "pagedopt/algorithms.h"
 #include "pagedopt/codebook.h"
 
@@ -27,31 +35,8 @@ namespace {
 
 using namespace cuda_detail;
 
-constexpr int kStepThreads = 256;
-constexpr int kStepWarps = kStepThreads / kWarp;
-constexpr int kMaxKeys = 2;
-
-struct TensorMeta {
-  void* p;
-  const void* g;
-  void* state[kMaxKeys];
-  float* absmax[kMaxKeys];
-  const float* step;
-  const float* scale;  // the tensor's update scale (lars, lamb), or nullptr
-  double* norm;        // the norm pass's output for the tensor, or nullptr
-  int64_t numel;
-};
-
-struct StepArgs {
-  const TensorMeta* meta;
-  const int64_t* starts;  // ntensors + 1 prefix sums of block counts
-  int ntensors;
-  int64_t total_blocks;
-  const float* qmap[kMaxKeys];
-  const float* grad_scale;  // nullptr when absent
-  const float* found_inf;   // nullptr when absent
-  OptimizerHyper hyper;
-};
+constexpr int kPlainThreads = 256;
+constexpr int kPlainWarps = kPlainThreads / kWarp;
 
 // The tensor owning global block gb: the last t with starts[t] <= gb.
 __device__ __forceinline__ int owner_of(const int64_t* __restrict__ starts, int n, int64_t gb) {
@@ -68,9 +53,36 @@ __device__ __forceinline__ int owner_of(const int64_t* __restrict__ starts, int 
   return lo;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Setup: blocks [0, K * kTableBlocks) build the codebooks' search tables (8-bit states), the rest
+// compute each tensor's constants from its step count (and the update scale, for LARS and LAMB).
+// ---------------------------------------------------------------------------------------------
+template <typename Algo>
+__global__ void __launch_bounds__(kTableThreads) engine_setup_kernel(const StepArgs<Algo> args, int table_blocks,
+                                                                     int ntensors,
+                                                                     typename Algo::Constants* __restrict__ consts) {
+  if (static_cast<int>(blockIdx.x) < table_blocks) {
+    const int key = blockIdx.x / kTableBlocks;
+    build_code_table_block(args.qmap[key], args.tables + key, blockIdx.x % kTableBlocks);
+    return;
+  }
+  const int i = (blockIdx.x - table_blocks) * blockDim.x + threadIdx.x;
+  if (i >= ntensors) return;
+  const TensorMeta& m = args.meta[i];
+  auto c = Algo::constants(args.hyper, static_cast<double>(*m.step));
+  if constexpr (has_update_norm<Algo>::value) {
+    if (m.scale != nullptr) c.update_scale = *m.scale;
+  }
+  consts[i] = c;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The plain kernels: 32-bit states, and the norm pass (8-bit or 32-bit).
+// ---------------------------------------------------------------------------------------------
+
 // The codebooks of the 8-bit states into shared memory, then a barrier for the whole block.
-template <int K, bool kEightBit>
-__device__ __forceinline__ void load_codebooks(float (&s_code)[K][kCodebookSize], const StepArgs& args) {
+template <int K, bool kEightBit, typename Args>
+__device__ __forceinline__ void load_codebooks(float (&s_code)[K][kCodebookSize], const Args& args) {
   if (kEightBit) {
     for (int i = threadIdx.x; i < K * kCodebookSize; i += blockDim.x) {
       s_code[i / kCodebookSize][i % kCodebookSize] = args.qmap[i / kCodebookSize][i % kCodebookSize];
@@ -79,101 +91,50 @@ __device__ __forceinline__ void load_codebooks(float (&s_code)[K][kCodebookSize]
   __syncthreads();
 }
 
-// Block lb's absmax of each moment of tensor m (8-bit states; read by every lane before lane 0
-// writes the new ones).
+// Element i's moments: codes dequantized with the block's absmax (read by every lane before
+// anything is written), or the 32-bit values.
 template <typename Algo, bool kEightBit>
-__device__ __forceinline__ void load_block_absmax(const TensorMeta& m, int64_t lb, int64_t blocks,
-                                                  float (&absmax)[Algo::kMoments]) {
-#pragma unroll
-  for (int j = 0; j < Algo::kMoments; ++j) {
-    absmax[j] = kEightBit ? m.absmax[Algo::key_of(j)][Algo::stack_of(j) * blocks + lb] : 0.0f;
-  }
-}
-
-// Element i's moments: codes dequantized with the block's absmax, or the 32-bit values.
-template <typename Algo, bool kEightBit, int K>
-__device__ __forceinline__ void load_moments(const TensorMeta& m, const float (&s_code)[K][kCodebookSize], int64_t i,
-                                             int64_t n, const float (&absmax)[Algo::kMoments],
-                                             float (&s)[Algo::kMoments]) {
+__device__ __forceinline__ void load_moments(const TensorMeta& m, const float (*s_code)[kCodebookSize], int64_t i,
+                                             int64_t lb, float (&s)[Algo::kMoments]) {
+  const int64_t n = m.numel;
 #pragma unroll
   for (int j = 0; j < Algo::kMoments; ++j) {
     const int64_t at = Algo::stack_of(j) * n + i;
     if (kEightBit) {
       const uint8_t q = static_cast<const uint8_t*>(m.state[Algo::key_of(j)])[at];
-      s[j] = dequantize_value(s_code[Algo::key_of(j)], q, absmax[j]);
+      const float a = m.absmax[Algo::key_of(j)][Algo::stack_of(j) * ceil_div(n, kStateBlockSize) + lb];
+      s[j] = dequantize_value(s_code[Algo::key_of(j)], q, a);
     } else {
       s[j] = static_cast<const float*>(m.state[Algo::key_of(j)])[at];
     }
   }
 }
 
-template <typename Algo, typename T, bool kEightBit>
-__global__ void __launch_bounds__(kStepThreads) quantized_step_kernel(const StepArgs args) {
+// The 32-bit step: each element's moments read, updated and written back in place.
+template <typename Algo, typename T>
+__global__ void __launch_bounds__(kPlainThreads) fp32_state_step_kernel(const StepArgs<Algo> args) {
   constexpr int M = Algo::kMoments;
-  constexpr int K = Algo::kKeys;
   if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;  // grid-uniform
-  __shared__ float s_code[K][kCodebookSize];
-  load_codebooks<K, kEightBit>(s_code, args);
   const int lane = threadIdx.x % kWarp;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kStepWarps;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kPlainWarps;
   const float inv_scale = args.grad_scale != nullptr ? 1.0f / *args.grad_scale : 1.0f;  // as the CPU kernel
-  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kStepWarps + threadIdx.x / kWarp; b < args.total_blocks;
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kPlainWarps + threadIdx.x / kWarp; b < args.total_blocks;
        b += warps) {
     const int t = owner_of(args.starts, args.ntensors, b);
     const TensorMeta& m = args.meta[t];
+    const auto& c = args.consts[t];
     const int64_t lb = b - args.starts[t];
     const int64_t n = m.numel;
-    const int64_t blocks = ceil_div(n, kStateBlockSize);
-    auto c = Algo::constants(args.hyper, static_cast<double>(*m.step));
-    if constexpr (has_update_norm<Algo>::value) {
-      if (m.scale != nullptr) c.update_scale = *m.scale;
-    }
     T* p = static_cast<T*>(m.p);
     const T* g = static_cast<const T*>(m.g);
-    float old_absmax[M];
-    float new_absmax[M] = {};
-    load_block_absmax<Algo, kEightBit>(m, lb, blocks, old_absmax);
-    float s[8][M];
-    const int64_t lo = lb * kStateBlockSize;
-#pragma unroll
     for (int k = 0; k < 8; ++k) {
-      const int64_t i = lo + k * kWarp + lane;
+      const int64_t i = lb * kStateBlockSize + k * kWarp + lane;
       if (i < n) {
-        load_moments<Algo, kEightBit>(m, s_code, i, n, old_absmax, s[k]);
-        const float gf = Elem<T>::load(g + i) * inv_scale;
-        Elem<T>::store(p + i, Algo::update(Elem<T>::load(p + i), gf, s[k], c));
-        if (kEightBit) {
-          if (counts_for_absmax(s[k])) {
+        float s[M];
+        load_moments<Algo, false>(m, nullptr, i, lb, s);
+        Elem<T>::store(p + i, Algo::update(Elem<T>::load(p + i), Elem<T>::load(g + i) * inv_scale, s, c));
 #pragma unroll
-            for (int j = 0; j < M; ++j) new_absmax[j] = fmaxf(new_absmax[j], fabsf(s[k][j]));
-          }
-        } else {
-#pragma unroll
-          for (int j = 0; j < M; ++j) static_cast<float*>(m.state[Algo::key_of(j)])[Algo::stack_of(j) * n + i] = s[k][j];
-        }
-      }
-    }
-    if (kEightBit) {
-      float inv[M];
-#pragma unroll
-      for (int j = 0; j < M; ++j) {
-        new_absmax[j] = warp_max_nonneg(new_absmax[j]);  // every lane has read old_absmax before this
-        inv[j] = absmax_reciprocal(new_absmax[j]);
-      }
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const int64_t i = lo + k * kWarp + lane;
-        if (i < n) {
-#pragma unroll
-          for (int j = 0; j < M; ++j) {
-            static_cast<uint8_t*>(m.state[Algo::key_of(j)])[Algo::stack_of(j) * n + i] =
-                quantize_value(s_code[Algo::key_of(j)], s[k][j], inv[j]);
-          }
-        }
-      }
-      if (lane == 0) {
-#pragma unroll
-        for (int j = 0; j < M; ++j) m.absmax[Algo::key_of(j)][Algo::stack_of(j) * blocks + lb] = new_absmax[j];
+        for (int j = 0; j < M; ++j) static_cast<float*>(m.state[Algo::key_of(j)])[Algo::stack_of(j) * n + i] = s[j];
       }
     }
   }
@@ -183,33 +144,28 @@ __global__ void __launch_bounds__(kStepThreads) quantized_step_kernel(const Step
 // directions, in double, to its tensor's norm (one atomicAdd per block: the sum's rounding
 // depends on the order of the blocks, so it may differ from the CPU's in the last bits).
 template <typename Algo, typename T, bool kEightBit>
-__global__ void __launch_bounds__(kStepThreads) update_norm_kernel(const StepArgs args) {
+__global__ void __launch_bounds__(kPlainThreads) update_norm_kernel(const StepArgs<Algo> args) {
   constexpr int M = Algo::kMoments;
   constexpr int K = Algo::kKeys;
   __shared__ float s_code[K][kCodebookSize];
   load_codebooks<K, kEightBit>(s_code, args);
   const int lane = threadIdx.x % kWarp;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kStepWarps;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kPlainWarps;
   const float inv_scale = args.grad_scale != nullptr ? 1.0f / *args.grad_scale : 1.0f;
-  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kStepWarps + threadIdx.x / kWarp; b < args.total_blocks;
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kPlainWarps + threadIdx.x / kWarp; b < args.total_blocks;
        b += warps) {
     const int t = owner_of(args.starts, args.ntensors, b);
     const TensorMeta& m = args.meta[t];
+    const auto& c = args.consts[t];
     const int64_t lb = b - args.starts[t];
-    const int64_t n = m.numel;
-    const int64_t blocks = ceil_div(n, kStateBlockSize);
-    const auto c = Algo::constants(args.hyper, static_cast<double>(*m.step));
     const T* p = static_cast<const T*>(m.p);
     const T* g = static_cast<const T*>(m.g);
-    const int64_t lo = lb * kStateBlockSize;
-    float old_absmax[M];
-    load_block_absmax<Algo, kEightBit>(m, lb, blocks, old_absmax);
     double sum = 0.0;
     for (int k = 0; k < 8; ++k) {
-      const int64_t i = lo + k * kWarp + lane;
-      if (i < n) {
+      const int64_t i = lb * kStateBlockSize + k * kWarp + lane;
+      if (i < m.numel) {
         float s[M];
-        load_moments<Algo, kEightBit>(m, s_code, i, n, old_absmax, s);
+        load_moments<Algo, kEightBit>(m, s_code, i, lb, s);
         const double u = Algo::direction(Elem<T>::load(p + i), Elem<T>::load(g + i) * inv_scale, s, c);
         sum += u * u;
       }
@@ -220,27 +176,47 @@ __global__ void __launch_bounds__(kStepThreads) update_norm_kernel(const StepArg
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Host side.
+// ---------------------------------------------------------------------------------------------
+
+// Per device and instantiation: the 8-bit kernel's dynamic shared memory opted in.
 template <typename Algo, typename T>
-void launch(const StepArgs& args, bool eight_bit, bool norm_pass, cudaStream_t stream) {
+void prepare_eight_bit_kernel(int device) {
+  static std::atomic<bool> ready[64] = {};
+  TORCH_CHECK(device >= 0 && device < 64, "quantized_step_: device index ", device, " out of range");
+  if (ready[device].load(std::memory_order_relaxed)) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(eight_bit_step_kernel<Algo, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(eight_bit_smem_bytes<Algo::kKeys>())));
+  ready[device].store(true, std::memory_order_relaxed);
+}
+
+template <typename Algo, typename T>
+void launch(const StepArgs<Algo>& args, bool eight_bit, bool norm_pass, int device, cudaStream_t stream) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t want = ceil_div(args.total_blocks, int64_t{kStepWarps});
+  if (eight_bit && !norm_pass) {
+    prepare_eight_bit_kernel<Algo, T>(device);
+    constexpr int kThreads = engine_threads<Algo>();
+    const int64_t want = ceil_div(args.total_blocks, int64_t{kThreads / kWarp});
+    const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t{sms})));
+    eight_bit_step_kernel<Algo, T><<<grid, kThreads, eight_bit_smem_bytes<Algo::kKeys>(), stream>>>(args);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  const int64_t want = ceil_div(args.total_blocks, int64_t{kPlainWarps});
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t{sms} * 8)));
   if constexpr (has_update_norm<Algo>::value) {
     if (norm_pass) {
       if (eight_bit) {
-        update_norm_kernel<Algo, T, true><<<grid, kStepThreads, 0, stream>>>(args);
+        update_norm_kernel<Algo, T, true><<<grid, kPlainThreads, 0, stream>>>(args);
       } else {
-        update_norm_kernel<Algo, T, false><<<grid, kStepThreads, 0, stream>>>(args);
+        update_norm_kernel<Algo, T, false><<<grid, kPlainThreads, 0, stream>>>(args);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
     }
   }
-  if (eight_bit) {
-    quantized_step_kernel<Algo, T, true><<<grid, kStepThreads, 0, stream>>>(args);
-  } else {
-    quantized_step_kernel<Algo, T, false><<<grid, kStepThreads, 0, stream>>>(args);
-  }
+  fp32_state_step_kernel<Algo, T><<<grid, kPlainThreads, 0, stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -250,6 +226,7 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
                     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
                     const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& norms) {
   static_assert(Algo::kKeys <= kMaxKeys, "raise kMaxKeys");
+  using Constants = typename Algo::Constants;
   const size_t n = params.size();
   const at::Device device = params[0].device();
   const c10::cuda::CUDAGuard guard(device);
@@ -272,6 +249,7 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
   at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   auto* hmeta = reinterpret_cast<TensorMeta*>(host.data_ptr());
   auto* hstarts = reinterpret_cast<int64_t*>(static_cast<uint8_t*>(host.data_ptr()) + meta_bytes);
+  const auto addr = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr); };
   size_t meta_off[kGroups];
   size_t starts_off[kGroups];
   int64_t group_blocks[kGroups];
@@ -287,46 +265,69 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
       m = TensorMeta{};
       m.p = params[i].data_ptr();
       m.g = grads[i].data_ptr();
+      m.numel = params[i].numel();
+      bool vec_ok = addr(m.p) % 16 == 0 && addr(m.g) % 16 == 0;
       for (int key = 0; key < Algo::kKeys; ++key) {
         m.state[key] = states[key * n + i].data_ptr();
         m.absmax[key] = eight_bit ? absmax[key * n + i].data_ptr<float>() : nullptr;
       }
+      for (int j = 0; j < Algo::kMoments; ++j) {  // each moment's codes: 8-byte aligned
+        vec_ok = vec_ok && (addr(m.state[Algo::key_of(j)]) + Algo::stack_of(j) * m.numel) % 8 == 0;
+      }
+      m.vec_ok = vec_ok ? 1 : 0;
       m.step = steps[i].data_ptr<float>();
       m.scale = scales.has_value() ? scales->data_ptr<float>() + i : nullptr;
       m.norm = norms.has_value() ? norms->data_ptr<double>() + i : nullptr;
-      m.numel = params[i].numel();
       acc += ceil_div(m.numel, kStateBlockSize);
       hstarts[si++] = acc;
     }
     group_blocks[gi] = acc;
+    TORCH_CHECK(acc < (int64_t{1} << 31), "quantized_step_: more than 2^31 blocks of ", kStateBlockSize,
+                " elements of one dtype in one call");
   }
-  at::Tensor dev = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  const auto byte_opts = at::TensorOptions().dtype(at::kByte).device(device);
+  at::Tensor dev = at::empty({bytes}, byte_opts);
   dev.copy_(host, /*non_blocking=*/true);  // the caching host allocator keeps `host` alive until it is done
   const auto* dmeta = reinterpret_cast<const TensorMeta*>(dev.data_ptr());
   const auto* dstarts = reinterpret_cast<const int64_t*>(static_cast<const uint8_t*>(dev.data_ptr()) + meta_bytes);
 
-  StepArgs args{};
+  // Work buffer: [K code tables (8-bit steps)][constants per tensor].
+  const bool tables = eight_bit && !norms.has_value();
+  const size_t tables_bytes = tables ? Algo::kKeys * sizeof(CodeTable) : 0;
+  at::Tensor work = at::empty({static_cast<int64_t>(tables_bytes + total * sizeof(Constants))}, byte_opts);
+  StepArgs<Algo> args{};
+  args.tables = tables ? reinterpret_cast<CodeTable*>(work.data_ptr()) : nullptr;
+  auto* consts = reinterpret_cast<Constants*>(static_cast<uint8_t*>(work.data_ptr()) + tables_bytes);
   for (int key = 0; key < Algo::kKeys; ++key) args.qmap[key] = eight_bit ? qmaps[key].data_ptr<float>() : nullptr;
   args.grad_scale = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
   // the norm pass ignores found_inf (its result is not used when the step is skipped)
   args.found_inf = found_inf.has_value() && !norms.has_value() ? found_inf->data_ptr<float>() : nullptr;
   std::copy(hyper.begin(), hyper.end(), args.hyper.v);
+  args.meta = dmeta;
+
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int table_blocks = tables ? Algo::kKeys * kTableBlocks : 0;
+  const int const_blocks = static_cast<int>(ceil_div(static_cast<int64_t>(total), int64_t{kTableThreads}));
+  engine_setup_kernel<Algo><<<table_blocks + const_blocks, kTableThreads, 0, stream>>>(
+      args, table_blocks, static_cast<int>(total), consts);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
   for (int gi = 0; gi < kGroups; ++gi) {
     if (members[gi].empty()) continue;
     args.meta = dmeta + meta_off[gi];
+    args.consts = consts + meta_off[gi];
     args.starts = dstarts + starts_off[gi];
     args.ntensors = static_cast<int>(members[gi].size());
     args.total_blocks = group_blocks[gi];
     switch (group_dtype[gi]) {
       case at::kFloat:
-        launch<Algo, float>(args, eight_bit, norms.has_value(), stream);
+        launch<Algo, float>(args, eight_bit, norms.has_value(), device.index(), stream);
         break;
       case at::kBFloat16:
-        launch<Algo, c10::BFloat16>(args, eight_bit, norms.has_value(), stream);
+        launch<Algo, c10::BFloat16>(args, eight_bit, norms.has_value(), device.index(), stream);
         break;
       case at::kHalf:
-        launch<Algo, c10::Half>(args, eight_bit, norms.has_value(), stream);
+        launch<Algo, c10::Half>(args, eight_bit, norms.has_value(), device.index(), stream);
         break;
       default:
         TORCH_INTERNAL_ASSERT(false);

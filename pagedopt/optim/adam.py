@@ -1,6 +1,6 @@
-"""Adam-family optimizers: AdamBase (Adam on its own fused kernels: adam8bit_step_ for 8-bit
-states, torch's fused Adam/AdamW for 32-bit ones) and thin declarations over it, with the
-bitsandbytes signatures.
+"""Adam-family optimizers: AdamBase (8-bit states on the generic engine with the Adam functor,
+32-bit states on torch's fused Adam/AdamW) and thin declarations over it, with the bitsandbytes
+signatures.
 
 Adam* use L2 weight decay (added to the gradient), AdamW* decoupled decay, exactly as torch.
 The *8bit classes always keep 8-bit states (their optim_bits argument is accepted for
@@ -15,7 +15,7 @@ from .. import _ops
 from .algorithm import AlgorithmSpec, StateSpec
 from .base import QuantizedOptimizer, _Bucket
 
-ADAM = AlgorithmSpec("adam", states=(StateSpec("state1"), StateSpec("state2", signed=False)))
+ADAM = AlgorithmSpec("adam", states=(StateSpec("state1"), StateSpec("state2", signed=False)), engine="adam")
 
 
 class AdamBase(QuantizedOptimizer):
@@ -39,36 +39,22 @@ class AdamBase(QuantizedOptimizer):
         super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping, block_wise=block_wise,
                          is_paged=is_paged)
 
+    def _engine_hyper(self, group: dict) -> list:
+        """The Adam functor's hyper list: lr, beta1, beta2, eps, weight_decay, decoupled."""
+        beta1, beta2 = group["betas"]
+        return [float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                1.0 if self.decoupled else 0.0]
+
     def _hold_states(self, lists: tuple, first_state: dict, eight_bit: bool):
-        if not eight_bit:
-            return None  # torch's fused kernel takes the lists
-        return torch.classes.pagedopt.AdamStateList(*lists, first_state["qmap1"], first_state["qmap2"])
+        return super()._hold_states(lists, first_state, eight_bit) if eight_bit else None  # 32-bit: torch's lists
 
     def _step_bucket(self, group: dict, bucket: _Bucket, params, grads, contiguous: bool, grad_scale,
                      found_inf) -> None:
+        """8-bit states: the generic engine (the base's step); 32-bit: torch's fused Adam/AdamW."""
         if bucket.eight_bit:
-            self._step_8bit(group, bucket, params, grads, contiguous, grad_scale, found_inf)
+            super()._step_bucket(group, bucket, params, grads, contiguous, grad_scale, found_inf)
         else:
             self._step_32bit(group, bucket, params, grads, contiguous, grad_scale, found_inf)
-
-    def _step_8bit(self, group: dict, bucket: "_Bucket", params, grads, contiguous: bool, grad_scale,
-                   found_inf) -> None:
-        """``params``/``grads``: the bucket's (local shards of DTensor parameters)."""
-        beta1, beta2 = group["betas"]
-        if contiguous and (self._pager is None or self._pager.all_resident()):
-            _ops.ops.adam8bit_step_list_(
-                bucket.held, params, grads, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                float(group["weight_decay"]), self.decoupled, grad_scale, found_inf)
-            return
-        qmap1, qmap2 = bucket.states[0]["qmap1"], bucket.states[0]["qmap2"]
-        for params, work_params, work_grads, (state1, state2, absmax1, absmax2, steps) in self._bucket_chunks(
-                bucket, params, grads, contiguous):
-            _ops.ops.adam8bit_step_(
-                work_params, work_grads, state1, state2, absmax1, absmax2, steps, qmap1, qmap2,
-                float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                float(group["weight_decay"]), self.decoupled, grad_scale, found_inf)
-            if work_params is not params:
-                self._write_back(params, work_params)
 
     def _step_32bit(self, group: dict, bucket: "_Bucket", params, grads, contiguous: bool, grad_scale,
                     found_inf) -> None:
@@ -86,8 +72,6 @@ class AdamBase(QuantizedOptimizer):
                   amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
             if work_params is not params:
                 self._write_back(params, work_params)
-
-
 
 
 class Adam(AdamBase):

@@ -39,9 +39,10 @@ class StateSpec:
 
 @dataclass(frozen=True)
 class AlgorithmSpec:
-    """``engine``: the algorithm's name in the generic op (``quantized_step_``), or None for an
-    algorithm with kernels of its own (Adam). ``betas``: how many betas it takes, ``has_eps``: whether it takes eps. ``hyper``: the op's
-    ``hyper`` list from a param group (the order the functor documents). ``check``: checks of its
+    """``engine``: the algorithm's name in the generic op (``quantized_step_``). ``betas``: how
+    many betas it takes, ``has_eps``: whether it takes eps. ``hyper``: the op's ``hyper`` list
+    from a param group (the order the functor documents; a class may override _engine_hyper
+    instead, as Adam does for its decoupled flag). ``check``: checks of its
     own hyperparameters beyond the common ones (lr, betas, eps, weight_decay, optim_bits,
     min_8bit_size), raising ValueError with the message prefix it is given."""
 

@@ -354,7 +354,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             self._step_stateless(group, params, grads, grad_scale, found_inf)
             return
         spec = self.algorithm
-        hyper = spec.hyper(group)
+        hyper = self._engine_hyper(group)
         if contiguous and (self._pager is None or self._pager.all_resident()):
             _ops.ops.quantized_step_list_(bucket.held, params, grads, hyper, grad_scale, found_inf)
             return
@@ -366,6 +366,10 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                                  hyper, grad_scale=grad_scale, found_inf=found_inf)
             if work_params is not params:
                 self._write_back(params, work_params)
+
+    def _engine_hyper(self, group: dict) -> list:
+        """The op's ``hyper`` list for this group (the algorithm's, in the functor's order)."""
+        return self.algorithm.hyper(group)
 
     def _step_stateless(self, group: dict, params, grads, grad_scale, found_inf) -> None:
         """The step of parameters without states (plain SGD overrides it)."""

@@ -25,7 +25,7 @@ class ScaledByUpdateNorm(QuantizedOptimizer):
             raise ValueError(f"{type(self).__name__} scales each update by norms of whole tensors, which a sharded "
                              "(DTensor, FSDP2) parameter does not hold on one rank; use it on unsharded parameters")
         spec = self.algorithm
-        hyper = spec.hyper(group)
+        hyper = self._engine_hyper(group)
         max_unorm = float(group["max_unorm"])
         n_keys = len(spec.states)
         qmaps = [bucket.states[0][q] for q in spec.qmap_keys] if bucket.eight_bit else []

@@ -78,19 +78,4 @@ PAGEDOPT_HOST_DEVICE float adam_update(float p, float g, float& m, float& v, con
   return fmaf(-c.step_size, approx_div(m, denom), p);
 }
 
-// An element's terms in its block's new absmax1 and absmax2 (the block's absmax is the max of them).
-// An element whose v is not finite counts for neither: a NaN or infinite gradient (m is then NaN
-// or infinite too), or a finite one whose square overflows (v = inf, while m may be a huge finite
-// value such as 1e29 that would otherwise set absmax1 and round the block's other moments to 0 for
-// hundreds of steps). Such an element's moments are stored saturated by the quantizer (NaN as the
-// code of 0.0, +-inf and finite values beyond the absmax as the end codes); its parameter already
-// took this step's update from the unquantized moments (NaN for a NaN or infinite gradient, no
-// Adam movement for v = inf, as in torch). v >= 0 or NaN, and with finite stored absmax a finite v
-// implies a finite m, so one compare serves both moments.
-PAGEDOPT_HOST_DEVICE void adam_absmax_terms(float m, float v, float& term1, float& term2) {
-  const bool ok = fabsf(v) <= 3.40282347e38f;  // false for NaN and +inf
-  term1 = ok ? fabsf(m) : 0.0f;
-  term2 = ok ? fabsf(v) : 0.0f;
-}
-
 }  // namespace pagedopt
