@@ -112,13 +112,14 @@ def test_cuda_and_cpu_codes_are_bit_identical(name, layout):
         assert pg.data_ptr() % 16 != 0
     else:
         pc, pg = p0.clone().requires_grad_(True), p0.cuda().requires_grad_(True)
-    oc = getattr(pagedopt, name)([pc], lr=1e-3, weight_decay=0.1)
-    og = getattr(pagedopt, name)([pg], lr=1e-3, weight_decay=0.1)
+    oc = getattr(pagedopt, name)([pc], lr=1e-3, weight_decay=0.1, min_8bit_size=256)
+    og = getattr(pagedopt, name)([pg], lr=1e-3, weight_decay=0.1, min_8bit_size=256)
     for t in range(3):
         g = torch.randn(shape, generator=gen) * 0.1
         pc.grad, pg.grad = g.clone(), g.cuda()
         oc.step()
         og.step()
+        assert oc.state[pc]["state1"].dtype == torch.uint8  # min_8bit_size=256: every layout is 8-bit
         for k in ("state1", "absmax1", "state2", "absmax2"):
             if k in oc.state[pc]:
                 assert torch.equal(oc.state[pc][k], og.state[pg][k].cpu()), (k, t)
