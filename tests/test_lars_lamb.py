@@ -169,15 +169,20 @@ def test_signatures_follow_bitsandbytes():
         (1e-3, (0.9, 0.999), False, 1.0)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not (torch.cuda.is_available() and pagedopt._ops.has_cuda_kernels()), reason="needs a CUDA GPU and the CUDA kernels")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", CLASSES)
-def test_state_dict_round_trip_and_grad_scaler(name):
+def test_state_dict_round_trip_and_grad_scaler(name, device):
     """torch.save / torch.load(weights_only=True) into a fresh optimizer, which continues exactly
     like the original (unorm_vec included); a step GradScaler skips changes no parameter."""
     torch.manual_seed(4)
     kw = dict(lr=0.1, momentum=0.9) if name.startswith("LARS") else dict(lr=1e-2)
     if name in ("LARS", "LAMB"):
         kw["optim_bits"] = 8
-    params = [torch.nn.Parameter(torch.randn(600)), torch.nn.Parameter(torch.randn(20, 30))]
+    params = [torch.nn.Parameter(torch.randn(600).to(device)), torch.nn.Parameter(torch.randn(20, 30).to(device))]
     opt = getattr(pagedopt, name)(params, min_8bit_size=256, **kw)
     for _ in range(2):
         for p in params:
@@ -195,7 +200,7 @@ def test_state_dict_round_trip_and_grad_scaler(name):
     for ps, o in ((params, opt), (twin_params, twin)):
         for p in ps:
             p.grad = torch.full_like(p, float("inf"))
-        o.grad_scale, o.found_inf = torch.tensor(1.0), torch.tensor(1.0)
+        o.grad_scale, o.found_inf = torch.tensor(1.0, device=device), torch.tensor(1.0, device=device)
         o.step()
         del o.grad_scale, o.found_inf
     assert all(torch.equal(p, b) for p, b in zip(params, before))
