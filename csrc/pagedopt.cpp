@@ -4,7 +4,6 @@
 #include <Python.h>
 #include <torch/library.h>
 
-#include "pagedopt/adam_state_list.h"
 #include "pagedopt/quantized_state_list.h"
 
 extern "C" {
@@ -29,15 +28,6 @@ TORCH_LIBRARY(pagedopt, m) {
       "Tensor(c!)[] state2, Tensor(d!)[] absmax1, Tensor(e!)[] absmax2, Tensor[] steps, "
       "Tensor code1, Tensor code2, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, bool decoupled, Tensor? grad_scale, Tensor? found_inf) -> ()");
-
-  // The same step with the states, steps and codebooks held by an AdamStateList
-  // (pagedopt/adam_state_list.h, built once per bucket of parameters), so that a step passes only
-  // its parameters and gradients.
-  m.def(
-      "adam8bit_step_list_(__torch__.torch.classes.pagedopt.AdamStateList states, Tensor(a!)[] params, "
-      "Tensor[] grads, float lr, "
-      "float beta1, float beta2, float eps, float weight_decay, bool decoupled, Tensor? grad_scale, "
-      "Tensor? found_inf) -> ()");
 
   // One fused step of the generic quantized-state engine (pagedopt/algorithms.h) over a list of
   // tensors, for `algorithm` ("lion", "ademamix"). `states` holds one list of len(params) tensors

@@ -87,38 +87,6 @@ def _adam8bit_step_fake(params, grads, state1, state2, absmax1, absmax2, steps, 
     return None
 
 
-@torch._library.register_fake_class("pagedopt::AdamStateList")
-class FakeAdamStateList:
-    """What tracing (torch.compile, torch.export, opcheck) sees of a torch.classes.pagedopt.AdamStateList:
-    the held states, steps and codebooks as fake tensors (from the C++ ``__obj_flatten__``)."""
-
-    def __init__(self, state1, state2, absmax1, absmax2, steps, code1, code2):
-        self.state1, self.state2, self.absmax1, self.absmax2 = state1, state2, absmax1, absmax2
-        self.steps, self.code1, self.code2 = steps, code1, code2
-
-    @classmethod
-    def __obj_unflatten__(cls, flattened):
-        return cls(**dict(flattened))
-
-    def size(self) -> int:
-        return len(self.state1)
-
-
-@torch.library.register_fake("pagedopt::adam8bit_step_list_")
-def _adam8bit_step_list_fake(states, params, grads, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale,
-                             found_inf):
-    # The states held by `states` are updated in place too, which a schema cannot annotate (they
-    # are inside a custom class): a traced graph sees this op as mutating params only (it is
-    # auto-functionalized; an op with mutable arguments gets no effect token), so a graph that also
-    # read the held states could be reordered around it. AdamBase.step() never traces it (see its
-    # docstring); the op exists to cut the eager step's per-call overhead. This fake is what
-    # opcheck, torch.export and a user's own trace of the op need.
-    n = states.size()
-    torch._check(len(params) == n and len(grads) == n,
-                 lambda: f"adam8bit_step_list_: {len(params)} params, {len(grads)} grads, {n} held states")
-    return None
-
-
 @torch.library.register_fake("pagedopt::check_grads")
 def _check_grads_fake(params, grads):
     # check_grads reads metadata only, so its fake gives the real answer (csrc/check_grads.cpp).
@@ -162,7 +130,8 @@ def _quantized_update_norm_fake(algorithm, params, grads, states, absmax, steps,
 
 @torch._library.register_fake_class("pagedopt::QuantizedStateList")
 class FakeQuantizedStateList:
-    """What tracing sees of a torch.classes.pagedopt.QuantizedStateList (see FakeAdamStateList)."""
+    """What tracing (torch.compile, torch.export, opcheck) sees of a torch.classes.pagedopt.QuantizedStateList:
+    the held states, steps and codebooks as fake tensors (from the C++ ``__obj_flatten__``)."""
 
     def __init__(self, algorithm, states, absmax, steps, qmaps):
         self.algorithm, self.states, self.absmax, self.steps, self.qmaps = algorithm, states, absmax, steps, qmaps
@@ -177,7 +146,12 @@ class FakeQuantizedStateList:
 
 @torch.library.register_fake("pagedopt::quantized_step_list_")
 def _quantized_step_list_fake(states, params, grads, hyper, grad_scale, found_inf, scales=None):
-    # the held states are updated in place too (see _adam8bit_step_list_fake)
+    # The states held by `states` are updated in place too, which a schema cannot annotate (they
+    # are inside a custom class): a traced graph sees this op as mutating params only (it is
+    # auto-functionalized; an op with mutable arguments gets no effect token), so a graph that also
+    # read the held states could be reordered around it. The optimizers' step() never traces it;
+    # the op exists to cut the eager step's per-call overhead. This fake is what opcheck,
+    # torch.export and a user's own trace of the op need.
     n = states.size()
     torch._check(len(params) == n and len(grads) == n,
                  lambda: f"quantized_step_list_: {len(params)} params, {len(grads)} grads, {n} held states")

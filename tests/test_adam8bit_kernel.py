@@ -132,15 +132,16 @@ def test_opcheck_adam8bit_step():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_state_list_op_equals_list_op(dtype):
-    """adam8bit_step_list_ (the lists held by an AdamStateList) is adam8bit_step_, bit for bit,
-    and a bad gradient raises before anything is written."""
+    """quantized_step_list_ with the Adam functor (the lists held by a QuantizedStateList, as the
+    Adam classes hold them) is adam8bit_step_, bit for bit, and a bad gradient raises before
+    anything is written."""
     code1, code2, tensors = make_case(11, [700, 300, 5000], dtype)
     held_case = [{k: v.clone() for k, v in x.items()} for x in tensors]
     steps = [torch.tensor(4.0) for _ in tensors]
     held_steps = [s.clone() for s in steps]
-    held = torch.classes.pagedopt.AdamStateList(
-        [x["q1"] for x in held_case], [x["q2"] for x in held_case],
-        [x["a1"] for x in held_case], [x["a2"] for x in held_case], held_steps, code1, code2)
+    held = torch.classes.pagedopt.QuantizedStateList(
+        "adam", [x["q1"] for x in held_case] + [x["q2"] for x in held_case],
+        [x["a1"] for x in held_case] + [x["a2"] for x in held_case], held_steps, [code1, code2])
     assert held.size() == 3
     hyper = (1e-2, 0.9, 0.99, 1e-8, 0.1, False)
     _ops.adam8bit_step_([x["p"] for x in tensors], [x["g"] for x in tensors], [x["q1"] for x in tensors],
@@ -148,7 +149,8 @@ def test_state_list_op_equals_list_op(dtype):
                         code1, code2, lr=hyper[0], beta1=hyper[1], beta2=hyper[2], eps=hyper[3],
                         weight_decay=hyper[4], decoupled=hyper[5])
     held_params = [x["p"] for x in held_case]
-    torch.ops.pagedopt.adam8bit_step_list_(held, held_params, [x["g"] for x in held_case], *hyper, None, None)
+    engine_hyper = [*hyper[:5], 1.0 if hyper[5] else 0.0]
+    torch.ops.pagedopt.quantized_step_list_(held, held_params, [x["g"] for x in held_case], engine_hyper, None, None)
     for x, y in zip(tensors, held_case):
         for k in ("p", "q1", "q2", "a1", "a2"):
             assert torch.equal(x[k], y[k]), k
@@ -156,9 +158,10 @@ def test_state_list_op_equals_list_op(dtype):
     bad_grads = [x["g"] for x in held_case]
     bad_grads[2] = bad_grads[2][:-1]
     with pytest.raises(RuntimeError, match=r"grads\[2\]"):
-        torch.ops.pagedopt.adam8bit_step_list_(held, held_params, bad_grads, *hyper, None, None)
-    with pytest.raises(RuntimeError, match=r"2 params but 3 grads|same length|\[2\]"):
-        torch.ops.pagedopt.adam8bit_step_list_(held, held_params[:2], [x["g"] for x in held_case], *hyper, None, None)
+        torch.ops.pagedopt.quantized_step_list_(held, held_params, bad_grads, engine_hyper, None, None)
+    with pytest.raises(RuntimeError, match=r"expected 2 grads.*got grads=3"):
+        torch.ops.pagedopt.quantized_step_list_(held, held_params[:2], [x["g"] for x in held_case], engine_hyper, None,
+                                                None)
     for x, b in zip(held_case, before):
         for k in x:
             assert torch.equal(x[k], b[k]), k

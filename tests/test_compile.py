@@ -6,8 +6,8 @@ to an eager optimizer given the same gradients. A compiled training function (fo
 step, zero_grad) may compute gradients that differ in rounding from eager forward/backward, so
 each compiled step is checked against an eager copy of the optimizer fed the very gradients the
 compiled step used; torch.compile(step_fn) with gradients set by hand checks the optimizer alone
-over several steps. Also: every op with a fake passes torch.library.opcheck, adam8bit_step_list_
-(whose first argument is a torch.classes.pagedopt.AdamStateList) included.
+over several steps. Also: every op with a fake passes torch.library.opcheck, quantized_step_list_
+(whose first argument is a torch.classes.pagedopt.QuantizedStateList) included.
 """
 import warnings
 
@@ -176,9 +176,12 @@ def _state_list_case(device, sizes=(520, 33, 4100)):
         lists["a1"].append((torch.rand(blocks, generator=g) * 0.1).to(device))
         lists["a2"].append((torch.rand(blocks, generator=g) * 0.01).to(device))
         lists["steps"].append(torch.tensor(3.0, device=device))
-    held = torch.classes.pagedopt.AdamStateList(lists["q1"], lists["q2"], lists["a1"], lists["a2"], lists["steps"],
-                                                code1, code2)
+    held = torch.classes.pagedopt.QuantizedStateList("adam", lists["q1"] + lists["q2"], lists["a1"] + lists["a2"],
+                                                     lists["steps"], [code1, code2])
     return held, lists
+
+
+ADAMW_HYPER = [1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0]  # lr, beta1, beta2, eps, weight_decay, decoupled
 
 
 def _opcheck_state_list(device):
@@ -187,11 +190,11 @@ def _opcheck_state_list(device):
     Capsule" when it computes aliasing with the object), so the schema part is checked by hand: of the
     arguments only params (Tensor(a!)[]) change, and the held states (inside the object) change."""
     held, lists = _state_list_case(device)
-    args = (held, lists["p"], lists["g"], 1e-3, 0.9, 0.999, 1e-8, 0.01, True, None, None)
-    torch.library.opcheck(torch.ops.pagedopt.adam8bit_step_list_, args,
+    args = (held, lists["p"], lists["g"], ADAMW_HYPER, None, None)
+    torch.library.opcheck(torch.ops.pagedopt.quantized_step_list_, args,
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
     before = {k: [t.clone() for t in v] for k, v in lists.items()}
-    torch.ops.pagedopt.adam8bit_step_list_(*args)
+    torch.ops.pagedopt.quantized_step_list_(*args)
     assert all(not torch.equal(a, b) for a, b in zip(before["p"], lists["p"]))      # annotated (a!)
     assert all(torch.equal(a, b) for a, b in zip(before["g"], lists["g"]))          # not annotated
     for k in ("q1", "q2", "a1", "a2"):                                              # held by the object
@@ -199,19 +202,18 @@ def _opcheck_state_list(device):
     assert all(torch.equal(a, b) for a, b in zip(before["steps"], lists["steps"]))  # steps are read only
 
 
-def test_adam8bit_step_list_has_fake_and_passes_opcheck():
-    assert torch._library.fake_class_registry.has_fake_class("__torch__.torch.classes.pagedopt.AdamStateList")
+def test_adam_state_list_has_fake_and_passes_opcheck():
+    assert torch._library.fake_class_registry.has_fake_class("__torch__.torch.classes.pagedopt.QuantizedStateList")
     held, lists = _state_list_case("cpu")
     flat = dict(held.__obj_flatten__())
-    assert flat["state1"][0] is not None and flat["state1"][0].data_ptr() == lists["q1"][0].data_ptr()  # no copies
+    assert flat["states"][0].data_ptr() == lists["q1"][0].data_ptr()  # the held tensors, not copies
     _opcheck_state_list("cpu")
     # the fake checks the list lengths against the held states
     with torch._subclasses.FakeTensorMode() as mode:
         fake = torch._library.fake_class_registry.maybe_to_fake_obj(mode, held)
         params = [mode.from_tensor(p) for p in lists["p"]]
         with pytest.raises(RuntimeError, match="held states"):
-            torch.ops.pagedopt.adam8bit_step_list_(fake, params[:2], params[:2], 1e-3, 0.9, 0.999, 1e-8, 0.0,
-                                                   True, None, None)
+            torch.ops.pagedopt.quantized_step_list_(fake, params[:2], params[:2], ADAMW_HYPER, None, None)
 
 
 def test_check_grads_fake_matches_and_passes_opcheck():

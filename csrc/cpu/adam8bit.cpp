@@ -1,11 +1,10 @@
-// CPU adam8bit_step_ / adam8bit_step_list_: the generic engine's step (quantized_step.cpp) with
+// CPU adam8bit_step_: the generic engine's step (quantized_step.cpp) with
 // the Adam functor (pagedopt/algorithms/adam.h), behind Adam's own op signature and checks.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "cpu_kernels.h"
 #include "pagedopt/adam8bit_op.h"
-#include "pagedopt/adam_state_list.h"
 #include "pagedopt/checks.h"
 
 namespace pagedopt {
@@ -28,7 +27,6 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
 
 TORCH_LIBRARY_IMPL(pagedopt, CPU, m) {
   m.impl("adam8bit_step_", &adam8bit_step_cpu);
-  m.impl("adam8bit_step_list_", &adam8bit_step_list<adam8bit_step_cpu>);
 }
 
 }  // namespace pagedopt

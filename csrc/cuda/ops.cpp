@@ -5,7 +5,6 @@
 
 #include "launch.h"
 #include "pagedopt/adam8bit_op.h"
-#include "pagedopt/adam_state_list.h"
 #include "pagedopt/algorithms.h"
 #include "pagedopt/quantized_state_list.h"
 #include "pagedopt/checks.h"
@@ -78,7 +77,6 @@ TORCH_LIBRARY_IMPL(pagedopt, CUDA, m) {
   m.impl("quantize_blockwise", &quantize_blockwise_cuda);
   m.impl("dequantize_blockwise", &dequantize_blockwise_cuda);
   m.impl("adam8bit_step_", &adam8bit_step_cuda);
-  m.impl("adam8bit_step_list_", &adam8bit_step_list<adam8bit_step_cuda>);
 }
 
 }  // namespace pagedopt
