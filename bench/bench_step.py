@@ -6,7 +6,8 @@ Sets: the TinyLlama-1.1B parameter list (fp32 and bf16 params) and 2000 tensors 
 also reported on its own), with random gradients. Effective GB/s is taken at the floor bytes
 per parameter:
 
-    8-bit states:            16 B (fp32 params)  10 B (bf16 params)
+    8-bit states:            3 x param width + 2 B per moment (Adam: 16 B fp32, 10 B bf16;
+                             Lion, SGD, RMSprop, Adagrad, LARS: 14 / 8 B; AdEMAMix: 18 / 12 B)
     32-bit AdamW (torch):    28 B (fp32 params + states)  14 B (bf16 params + states)
 
 and compared with the device copy bandwidth measured in the same run. "b2b ms" is the median
@@ -21,6 +22,10 @@ also timed on the first step after a full page-out of their states.
     python bench/bench_step.py --no-torchao --out /tmp/out
     python bench/bench_step.py --smoke --out /tmp/bs   # tiny, CPU, pagedopt only, seconds
 
+On CUDA each case (optimizer x set x dtype) runs in a child process of its own (--isolate), so
+that one library's leaked or cached memory, or a broken CUDA context, cannot touch another's
+figure; the parent measures the copy bandwidth once and merges the children's records.
+
 Peers that cannot be imported or fail are recorded as skipped, with the reason.
 Keep the total managed memory under 16 GiB (device safety rule): paged optimizers are
 counted conservatively (bitsandbytes never frees its paged buffers).
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -219,8 +225,11 @@ class Runner:
         if self.out_json:
             C.write_json(self.out_json, self.res)
 
-    def add(self, case: dict):
+    def add(self, case: dict, echo: bool = True):
         self.res["cases"].append(case)
+        if not echo:  # a child process printed it already
+            self.save()
+            return
         flag = ("ERROR: " + case["error"]) if case.get("error") else (
             ("skipped: " + case["skipped"]) if case.get("skipped") else "")
         msg = f"  {case['name']:<26} {case['set']:<9} {case['dtype']:<4} {case['mode']:<13} "
@@ -379,6 +388,12 @@ def parse_args(argv):
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failed cases")
+    ap.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
+                    help="each case in a process of its own, so that one library's leaked memory or broken "
+                    "CUDA context cannot touch another's figure (auto: yes on CUDA, no on the CPU)")
+    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)        # SET/DTYPE/NAME: this case only
+    ap.add_argument("--case-out", default=None, help=argparse.SUPPRESS)    # where the case's JSON goes
+    ap.add_argument("--copy-gbps", type=float, default=None, help=argparse.SUPPRESS)  # the parent's probe
     args = ap.parse_args(argv)
     if args.smoke:
         args.device = args.device or "cpu"
@@ -393,8 +408,37 @@ def parse_args(argv):
     return args
 
 
+def run_isolated(argv: list[str], key: str, runner: "Runner") -> list[dict]:
+    """One case of the plan (``key`` = set/dtype/name) in a child process of this script; its
+    cases as it recorded them, or one error case if it died without a record."""
+    import subprocess
+    import tempfile
+
+    set_name, dtype, name = key.split("/")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "case.json")
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--case", key, "--case-out", out, "--isolate", "no"]
+        if runner.copy_gbps:
+            cmd += ["--copy-gbps", repr(runner.copy_gbps)]
+        left = runner.budget_left()
+        if left != float("inf"):
+            cmd += ["--time-budget", repr(max(left, 1.0))]
+        try:
+            proc = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True,
+                                  timeout=None if left == float("inf") else left + 60)
+            err = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit code {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            err = "timed out"
+        if os.path.exists(out):
+            with open(out) as f:
+                return json.load(f)
+    return [{"name": name, "family": name.split("_")[0], "set": set_name, "dtype": dtype, "mode": "resident",
+             "error" if name.startswith("pagedopt") else "skipped": f"its process died: {err}"}]
+
+
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     device = C.bench_device(args.device)
     if device is None:
         return 2
@@ -416,21 +460,27 @@ def main(argv=None) -> int:
     res = {"bench": "step", "env": C.env_info(device), "config": {k: v for k, v in vars(args).items()},
            "hyper": HYPER, "bandwidth": {}, "cases": []}
     runner = Runner(args, device, res, out_json)
-    print(f"bench_step on {res['env'].get('device_name')} ({device}), torch {torch.__version__}", flush=True)
+    if args.case:  # a child of an isolated run: this case only, no probes, its cases to --case-out
+        runner.copy_gbps = args.copy_gbps
+        runner.out_json = None
+    else:
+        print(f"bench_step on {res['env'].get('device_name')} ({device}), torch {torch.__version__}", flush=True)
+    isolate = args.isolate == "yes" or (args.isolate == "auto" and C.is_cuda(device))
 
-    try:
-        res["bandwidth"]["copy"] = C.copy_bandwidth(device, args.copy_mib << 20)
-    except Exception as e:
-        res["bandwidth"]["copy"] = {"error": C.short_error(e)}
-    runner.copy_gbps = res["bandwidth"]["copy"].get("gbps")
-    try:
-        res["bandwidth"]["pinned"] = C.pinned_bandwidth(device, args.pinned_mib << 20)
-    except Exception as e:
-        res["bandwidth"]["pinned"] = {"error": C.short_error(e)}
-    pin = res["bandwidth"]["pinned"]
-    print(f"copy bandwidth {C.fmt(runner.copy_gbps, 0)} GB/s (read+write); pinned h2d/d2h "
-          f"{C.fmt(pin.get('h2d_gbps'), 1)}/{C.fmt(pin.get('d2h_gbps'), 1)} GB/s", flush=True)
-    runner.save()
+    if not args.case:
+        try:
+            res["bandwidth"]["copy"] = C.copy_bandwidth(device, args.copy_mib << 20)
+        except Exception as e:
+            res["bandwidth"]["copy"] = {"error": C.short_error(e)}
+        runner.copy_gbps = res["bandwidth"]["copy"].get("gbps")
+        try:
+            res["bandwidth"]["pinned"] = C.pinned_bandwidth(device, args.pinned_mib << 20)
+        except Exception as e:
+            res["bandwidth"]["pinned"] = {"error": C.short_error(e)}
+        pin = res["bandwidth"]["pinned"]
+        print(f"copy bandwidth {C.fmt(runner.copy_gbps, 0)} GB/s (read+write); pinned h2d/d2h "
+              f"{C.fmt(pin.get('h2d_gbps'), 1)}/{C.fmt(pin.get('d2h_gbps'), 1)} GB/s", flush=True)
+        runner.save()
 
     sets = {
         "tinyllama": (C.tinyllama_shapes(args.scale, args.layers), [d for d in args.dtypes.split(",") if d]),
@@ -452,16 +502,29 @@ def main(argv=None) -> int:
                 for spec in specs:
                     if (spec.min_budget_s > 0) == late and set_name in spec.sets and dtype in spec.dtypes:
                         plan.append((set_name, dtype, spec))
+    if args.case:
+        plan = [(s, d, sp) for s, d, sp in plan if f"{s}/{d}/{sp.name}" == args.case]
     res["plan"] = [f"{s}/{d}/{sp.name}" for s, d, sp in plan]
+    res["isolated"] = isolate
 
     params, current = None, None
     for set_name, dtype, spec in plan:
+        if isolate:
+            if current != (set_name, dtype):
+                current = (set_name, dtype)
+                shapes = sets[set_name][0]
+                print(f"set {set_name} {dtype}: {len(shapes)} tensors, {C.numel_of(shapes) / 1e6:.1f}M params "
+                      f"(each case in its own process)", flush=True)
+            for case in run_isolated(argv, f"{set_name}/{dtype}/{spec.name}", runner):
+                runner.add(case, echo=False)
+            continue
         if current != (set_name, dtype):
             params = None
             C.free_memory()
             shapes = sets[set_name][0]
-            print(f"set {set_name} {dtype}: {len(shapes)} tensors, {C.numel_of(shapes) / 1e6:.1f}M params",
-                  flush=True)
+            if not args.case:
+                print(f"set {set_name} {dtype}: {len(shapes)} tensors, {C.numel_of(shapes) / 1e6:.1f}M params",
+                      flush=True)
             try:
                 params = C.make_params(shapes, DTYPES[dtype], device, args.seed)
             except Exception as e:
@@ -474,6 +537,9 @@ def main(argv=None) -> int:
     params = None
     C.free_memory()
 
+    if args.case:
+        C.write_json(args.case_out, res["cases"])
+        return 0
     runner.save()
     if args.out and not args.no_plot:
         try:

@@ -96,6 +96,23 @@ def test_bench_step_smoke(tmp_path):
     assert "optimizer" in proc.stdout  # the closing table
 
 
+def test_bench_step_isolated_cases(tmp_path):
+    """--isolate yes (the default on CUDA): each case runs in a child process of its own, and the
+    parent records what the children measured, with the copy bandwidth of its own probe."""
+    out = tmp_path / "iso"
+    proc = _run([os.path.join("bench", "bench_step.py"), "--smoke", "--no-plot", "--isolate", "yes", "--sets",
+                 "tinyllama", "--dtypes", "fp32", "--only", "pagedopt_adamw8bit,pagedopt_lion8bit", "--out", str(out)])
+    doc = json.loads((out / "bench_step.json").read_text())
+    assert doc["isolated"] is True
+    assert [c["name"] for c in doc["cases"]] == ["pagedopt_adamw8bit", "pagedopt_lion8bit"]
+    copy = doc["bandwidth"]["copy"]["gbps"]
+    for c in doc["cases"]:
+        assert not c.get("error") and _positive(c["median_ms"]) and c["finite"] is True, c
+        assert math.isclose(c["frac_copy"], c["gbps"] / copy, rel_tol=1e-9), c  # the parent's probe
+    progress = [line for line in proc.stdout.splitlines() if line.startswith("  pagedopt_lion8bit ")]
+    assert len(progress) == 1, proc.stdout  # the case's progress line, printed once (by its child)
+
+
 def test_bench_quant_smoke(tmp_path):
     out = tmp_path / "quant"
     _run([os.path.join("bench", "bench_quant.py"), "--smoke", "--out", str(out)])
