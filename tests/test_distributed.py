@@ -364,6 +364,44 @@ def _family_scenario(rank, world, device, ckpt_dir, names):
                         dict(min_8bit_size=0))
 
 
+LARS_LAMB = ("LARS8bit", "LAMB8bit", "LAMB32bit")
+HYPERS.update({"LARS8bit": dict(lr=0.05, momentum=0.9), "LAMB8bit": dict(lr=1e-2), "LAMB32bit": dict(lr=1e-2)})
+
+
+def _lars_lamb_scenario(rank, world, device, ckpt_dir, names):
+    """LARS and LAMB under FSDP2: each rank's shard holds part of the two norms that scale the update;
+    the shards' sums of squares are all-reduced, so every rank steps with the whole tensor's scale.
+
+    Against the unsharded run: the only difference is the order of the float64 sums of squares (two
+    shard sums added, instead of one running sum), a relative difference below n * 2^-53 (n = 8192
+    terms: 1e-12). The float32 scale then rounds the same way except within 1e-12 of a rounding
+    boundary, where it may differ by one ulp (2^-23 relative). So each step may move a parameter by
+    2^-23 of its update more or less, plus one rounding of p (2^-24 |p|): over 5 steps, at most
+    5 * (2^-23 * max |update| + 2^-24 * max |p|), the gradients' dependence on such differences being
+    of second order. unorm_vec, float32 rounding of the norm of the same directions: 2^-22 relative."""
+    for name in names:
+        reference = _aligned_model(device)
+        model = _shard(copy.deepcopy(reference))
+        kw = dict(max_unorm=0.05) if name == "LAMB32bit" else {}  # LAMB8bit keeps bitsandbytes' 1.0
+        opt, opt_ref = _make(name, model.parameters(), **kw), _make(name, reference.parameters(), **kw)
+        bound, clipped = 0.0, 0
+        for i in range(5):
+            before = [q.detach().clone() for q in reference.parameters()]
+            _fsdp_steps(model, opt, i, 1, 128, 32, device)
+            _fsdp_steps(reference, opt_ref, i, 1, 128, 32, device)
+            max_update = max((q - b).abs().max().item() for q, b in zip(reference.parameters(), before))
+            max_p = max(b.abs().max().item() for b in before)
+            bound += 2.0**-23 * max_update + 2.0**-24 * max_p
+            for p, q, b in zip(model.parameters(), reference.parameters(), before):
+                assert (p.full_tensor() - q).abs().max().item() <= bound, (name, i, tuple(q.shape))
+                mine, ref = opt.state[p]["unorm_vec"], opt_ref.state[q]["unorm_vec"]
+                assert ((mine - ref).abs() <= 2.0**-22 * ref).all(), (name, i, mine.item(), ref.item())
+                # the clip binds (the scale is below 1): the step depends on both norms
+                clipped += bool(mine.item() > opt.param_groups[0]["max_unorm"] * b.norm().item())
+        _all_equal_across_ranks([opt.state[p]["unorm_vec"] for p in model.parameters()], f"{name} unorm_vec")
+        assert clipped >= 5 * 3, (name, clipped)  # at least the three weight matrices at every step
+
+
 def _reshard_save(rank, world, device, ckpt_dir):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -421,6 +459,10 @@ def test_fsdp2_gloo(tmp_path):
 
 def test_fsdp2_family_gloo(tmp_path):
     _launch(_family_scenario, 2, "gloo", str(tmp_path), FAMILY)
+
+
+def test_fsdp2_lars_lamb_gloo(tmp_path):
+    _launch(_lars_lamb_scenario, 2, "gloo", str(tmp_path), LARS_LAMB)
 
 
 def test_fsdp2_reshard_gloo(tmp_path):
