@@ -14,6 +14,14 @@ import torch
 from .. import _ops
 from .algorithm import AlgorithmSpec, StateSpec
 from .base import QuantizedOptimizer, _Bucket
+from .bucket_chunks import flat_parts, flat_runs
+
+# fp32 copies of 16-bit params and grads for torch's fused 32-bit step: at most this many elements
+# at a time (2 x 4 bytes each: 64 MiB), tensors cut at multiples of _FP32_COPY_ALIGN elements (torch's
+# fused CPU kernel updates whole SIMD vectors and a scalar remainder, which round differently: cuts
+# there keep every element on the path it takes in the whole tensor)
+_FP32_COPY_NUMEL = 8 << 20
+_FP32_COPY_ALIGN = 1024
 
 ADAM = AlgorithmSpec("adam", states=(StateSpec("state1"), StateSpec("state2", signed=False)), engine="adam")
 
@@ -63,13 +71,21 @@ class AdamBase(QuantizedOptimizer):
         fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
         for params, work_params, work_grads, (state1, state2, steps) in self._bucket_chunks(bucket, params, grads,
                                                                                               contiguous):
-            # torch's fused kernel wants params, grads and states of one dtype; states stay fp32.
-            if work_params[0].dtype != torch.float32:
-                work_params = [w.float() for w in work_params]
-                work_grads = [g.float() for g in work_grads]
-            fused(work_params, work_grads, state1, state2, [], steps, lr=float(group["lr"]), beta1=float(beta1),
-                  beta2=float(beta2), weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
-                  amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+            hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                         weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), amsgrad=False,
+                         maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+            if work_params[0].dtype == torch.float32:
+                fused(work_params, work_grads, state1, state2, [], steps, **hyper)
+            else:
+                # torch's fused kernel wants params, grads and states of one dtype, and the states stay
+                # fp32: it runs on fp32 copies of the params and grads, made a run of at most
+                # _FP32_COPY_NUMEL elements at a time (the update is elementwise, so a tensor may be cut
+                # into flat ranges), so that the copies never cost more than a few MiB of memory.
+                for run in flat_runs([w.numel() for w in work_params], _FP32_COPY_NUMEL, _FP32_COPY_ALIGN):
+                    run_params = [x.float() for x in flat_parts(work_params, run)]
+                    fused(run_params, [x.float() for x in flat_parts(work_grads, run)], flat_parts(state1, run),
+                          flat_parts(state2, run), [], [steps[i] for i, _, _ in run], **hyper)
+                    self._write_back(flat_parts(work_params, run), run_params)
             if work_params is not params:
                 self._write_back(params, work_params)
 

@@ -57,3 +57,37 @@ def bucket_chunks(pager, keys, states: list[dict], lists: tuple, bucket_params: 
         else:
             work_params, work_grads = contiguous_views(params, chunk_grads)
             yield params, work_params, work_grads, chunk_lists
+
+
+def flat_runs(numels: list[int], max_numel: int, align: int = 1) -> list[list[tuple[int, int, int]]]:
+    """Runs of at most ``max_numel`` elements over the concatenation of tensors of ``numels``
+    elements, in order: each run a list of (tensor index, start, end) of flat element ranges. A
+    tensor that does not fit the rest of a run is cut, for elementwise updates, at multiples of
+    ``align`` elements from its start (a kernel that treats a vector-width remainder differently
+    then sees the same remainders as on the whole tensor); ``max_numel`` must be a multiple of
+    ``align``."""
+    if max_numel < align or max_numel % align:
+        raise ValueError(f"max_numel ({max_numel}) must be a positive multiple of align ({align})")
+    runs, current, room = [], [], max_numel
+    for i, n in enumerate(numels):
+        start = 0
+        while start < n:
+            take = n - start if n - start <= room else room // align * align
+            if take == 0:  # less than `align` left in this run: the tensor goes on in the next one
+                runs.append(current)
+                current, room = [], max_numel
+                continue
+            current.append((i, start, start + take))
+            start += take
+            room -= take
+            if room == 0:
+                runs.append(current)
+                current, room = [], max_numel
+    if current:
+        runs.append(current)
+    return runs
+
+
+def flat_parts(tensors: list[torch.Tensor], run: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+    """The flat views of ``tensors`` (contiguous) that a run of flat_runs names."""
+    return [tensors[i].view(-1)[start:end] for i, start, end in run]

@@ -1,0 +1,73 @@
+"""The 32-bit Adam path on 16-bit parameters runs torch's fused fp32 kernel on fp32 copies of the
+parameters and gradients, a run of at most _FP32_COPY_NUMEL elements at a time (tensors cut into
+flat ranges), so that the copies never cost more than a few MiB. Cutting must not change the
+result: the update is elementwise."""
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import pagedopt
+from pagedopt.optim import adam as adam_module
+from pagedopt.optim.bucket_chunks import flat_runs
+
+
+@given(numels=st.lists(st.integers(0, 50), max_size=8), align=st.integers(1, 8), times=st.integers(1, 6))
+def test_flat_runs_cover_every_element_once_in_order(numels, align, times):
+    limit = align * times
+    runs = flat_runs(numels, limit, align)
+    covered = [(i, k) for run in runs for i, a, b in run for k in range(a, b)]
+    assert covered == [(i, k) for i, n in enumerate(numels) for k in range(n)]
+    sizes = [sum(b - a for _, a, b in run) for run in runs]
+    assert all(0 < size <= limit for size in sizes)
+    assert all(size > limit - align for size in sizes[:-1])  # a run closes only when nearly full
+    assert all(b > a for run in runs for _, a, b in run)  # no empty ranges
+    assert all(a % align == 0 for run in runs for _, a, _ in run)  # cuts at multiples of align
+    with pytest.raises(ValueError, match="multiple of align"):
+        flat_runs(numels, limit + 1, align + 1) if (limit + 1) % (align + 1) else flat_runs(numels, 0, align)
+
+
+def _run(dtype, limit, steps=3, found_inf_at=None):
+    with pytest.MonkeyPatch.context() as mp:
+        return _steps(mp, dtype, limit, steps, found_inf_at)
+
+
+def _steps(mp, dtype, limit, steps, found_inf_at):
+    mp.setattr(adam_module, "_FP32_COPY_NUMEL", limit)  # the module's _FP32_COPY_ALIGN (1024) stays
+    calls = []
+    fused = torch._fused_adamw_
+
+    def counting(params, *args, **kw):
+        calls.append(sum(p.numel() for p in params))
+        return fused(params, *args, **kw)
+
+    mp.setattr(torch, "_fused_adamw_", counting)
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(37, 111), (5,), (0,), (3000,), (2, 3)]
+    params = [torch.randn(s, generator=gen).to(dtype).requires_grad_(True) for s in shapes]
+    opt = pagedopt.AdamW32bit(params, lr=1e-2, weight_decay=0.1)
+    for t in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+        if t == found_inf_at:
+            opt.grad_scale, opt.found_inf = torch.tensor(1.0), torch.tensor(1.0)
+        opt.step()
+        if t == found_inf_at:
+            del opt.grad_scale, opt.found_inf
+    return params, opt, calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_runs_of_fp32_copies_give_the_same_step(dtype):
+    """Runs of at most 2048 elements (7118 elements: the 4107 and the 3000 cut at multiples of 1024)
+    against one run of all: parameters and states bit for bit, a skipped (found_inf) step included."""
+    whole, opt_whole, calls_whole = _run(dtype, 1 << 30, found_inf_at=1)
+    cut, opt_cut, calls_cut = _run(dtype, 2048, found_inf_at=1)
+    assert calls_whole == [7118] * 3
+    # runs: 2048 | 2048 | the last 11 + 5 + 1024 of the 3000 (room for no second 1024) | 1976 + 6
+    assert calls_cut == [2048, 2048, 11 + 5 + 1024, 1976 + 6] * 3  # every copy within the limit
+    for p, q in zip(whole, cut):
+        assert torch.equal(p, q)
+        for k in ("state1", "state2", "step"):
+            assert torch.equal(opt_whole.state[p][k], opt_cut.state[q][k]), k
+    assert all(float(opt_cut.state[q]["step"]) == 2.0 for q in cut)  # the found_inf step did not count
