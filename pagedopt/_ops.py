@@ -57,6 +57,22 @@ def quantized_step_(algorithm: str, params: Sequence[torch.Tensor], grads: Seque
                         grad_scale, found_inf, scales)
 
 
+def quantized_step_list_(held, params: list, grads: list, hyper: list, grad_scale: Optional[torch.Tensor] = None,
+                         found_inf: Optional[torch.Tensor] = None) -> None:
+    """quantized_step_ on the states that ``held`` (a torch.classes.pagedopt.QuantizedStateList)
+    holds. An eager call with a real held object goes straight to the op's C++ entry point:
+    torch's Python entry point of an op with a custom-class argument first walks every element of
+    every list argument, looking for a fake object (for tracing), which costs about 0.3 us per
+    tensor (1 ms a step on 2000 parameters). Under tracing (a FakeScriptObject) it goes the usual way."""
+    if isinstance(held, torch.ScriptObject):
+        _QUANTIZED_STEP_LIST(held, params, grads, hyper, grad_scale, found_inf, None)
+    else:
+        ops.quantized_step_list_(held, params, grads, hyper, grad_scale, found_inf)
+
+
+_QUANTIZED_STEP_LIST = ops.quantized_step_list_.default._op
+
+
 def quantized_update_norm_(algorithm: str, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                            states: Sequence[Sequence[torch.Tensor]], absmax: Sequence[Sequence[torch.Tensor]], steps,
                            qmaps: Sequence[torch.Tensor], hyper: Sequence[float], norms: torch.Tensor, *,

@@ -216,6 +216,39 @@ def test_adam_state_list_has_fake_and_passes_opcheck():
             torch.ops.pagedopt.quantized_step_list_(fake, params[:2], params[:2], ADAMW_HYPER, None, None)
 
 
+def test_eager_held_step_skips_the_fake_object_scan(monkeypatch):
+    """An eager step calls quantized_step_list_'s C++ entry point directly (torch's Python entry
+    point would first walk all 2 x n list elements looking for fake objects); a fake held object
+    (tracing) still goes through torch's entry point and the op's fake."""
+    held, lists = _state_list_case("cpu")
+    expected_held, expected = _state_list_case("cpu")
+    torch.ops.pagedopt.quantized_step_list_(expected_held, expected["p"], expected["g"], ADAMW_HYPER, None, None)
+
+    original = torch._ops._must_dispatch_in_python
+
+    def no_scan(args, kwargs):  # other torchbind ops (the profiler's record_function) may scan theirs
+        if any(isinstance(a, (list, tuple)) and len(a) >= 3 for a in args):
+            raise AssertionError("torch's Python entry point scanned the tensor lists")
+        return original(args, kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch._ops, "_must_dispatch_in_python", no_scan)
+        _ops.quantized_step_list_(held, lists["p"], lists["g"], ADAMW_HYPER)
+        params = [torch.nn.Parameter(torch.randn(5000)) for _ in range(3)]
+        opt = pagedopt.AdamW8bit(params)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()  # the optimizers' step takes the direct path
+    for k in ("p", "q1", "q2", "a1", "a2"):
+        assert all(torch.equal(a, b) for a, b in zip(lists[k], expected[k])), k  # the same op, bit for bit
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = torch._library.fake_class_registry.maybe_to_fake_obj(mode, held)
+        fparams = [mode.from_tensor(p) for p in lists["p"]]
+        _ops.quantized_step_list_(fake, fparams, fparams, ADAMW_HYPER)
+        with pytest.raises(RuntimeError, match="held states"):
+            _ops.quantized_step_list_(fake, fparams[:2], fparams[:2], ADAMW_HYPER)
+
+
 def test_check_grads_fake_matches_and_passes_opcheck():
     p = [torch.zeros(4, 3), torch.zeros(5, dtype=torch.bfloat16)]
     cases = {

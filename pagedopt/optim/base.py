@@ -356,7 +356,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         spec = self.algorithm
         hyper = self._engine_hyper(group)
         if contiguous and (self._pager is None or self._pager.all_resident()):
-            _ops.ops.quantized_step_list_(bucket.held, params, grads, hyper, grad_scale, found_inf)
+            _ops.quantized_step_list_(bucket.held, params, grads, hyper, grad_scale, found_inf)
             return
         n_keys = len(spec.states)
         qmaps = [bucket.states[0][q] for q in spec.qmap_keys] if bucket.eight_bit else []
