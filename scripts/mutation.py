@@ -72,6 +72,7 @@ FILE_ORDER = [
     "tests/test_compile.py",
     "tests/test_accelerate.py",
     "tests/test_distributed.py",
+    "tests/test_fsdp2.py",
     "tests/test_bench_smoke.py",
     "tests/test_transformers_trainer.py",
 ]
