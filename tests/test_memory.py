@@ -273,3 +273,45 @@ def test_trainer_callback_logs_every_n_steps(tmp_path):
         assert h["mem/optimizer_state_gib"] == optimizer_state_bytes(opt) / memory.GIB
     with pytest.raises(ValueError):
         MemoryReportCallback(every_n_steps=0)
+
+
+def test_attached_trainer_callback_reaches_the_reporters(tmp_path):
+    """Passed in callbacks=[...], the callback comes after the reporters, which never see its
+    figures; attached, it runs first and its figures ride on the Trainer's training log entries."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from pagedopt.integrations.callbacks import MemoryReportCallback
+
+    class Reporter(TrainerCallback):  # what TensorBoard / W&B callbacks receive
+        def __init__(self):
+            self.logs = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs))
+
+    cfg = CONFIGS["gqa_untied"]
+    ids = torch.randint(1, cfg["vocab_size"], (16, 8), generator=torch.Generator().manual_seed(2))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    for attach in (False, True):
+        model = _real_model(cfg)
+        opt = pagedopt.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=MIN_8BIT)
+        args = TrainingArguments(str(tmp_path / f"out{attach}"), max_steps=4, per_device_train_batch_size=4,
+                                 use_cpu=True, report_to=[], logging_steps=2, save_strategy="no",
+                                 disable_tqdm=True, dataloader_num_workers=0)
+        reporter, cb = Reporter(), MemoryReportCallback(every_n_steps=4)
+        trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None),
+                          callbacks=[reporter] if attach else [reporter, cb])
+        if attach:
+            assert cb.attach(trainer) is cb and trainer.callback_handler.callbacks[0] is cb
+            assert sum(c is cb for c in trainer.callback_handler.callbacks) == 1
+        trainer.train()
+        training = [log for log in reporter.logs if "loss" in log]
+        assert len(training) == 2  # steps 2 and 4
+        if attach:
+            for log in training:
+                assert log["mem/optimizer_state_gib"] == optimizer_state_bytes(opt) / memory.GIB
+                assert {"mem/allocated_gib", "mem/reserved_gib", "mem/max_allocated_gib"} <= log.keys()
+        else:
+            assert not any(k.startswith("mem/") for log in reporter.logs for k in log)
+        # the every-N entries of the log history, either way
+        assert [h["step"] for h in trainer.state.log_history if "mem/allocated_gib" in h] == [4]

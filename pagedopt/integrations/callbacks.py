@@ -20,6 +20,14 @@ callback cannot call ``Trainer.log``, and asking the Trainer to log (``control.s
 also reset its running training loss average off the ``logging_steps`` schedule. Reporters
 (TensorBoard, W&B) therefore do not receive these entries; ``log_to`` (a callable taking the dict)
 forwards them anywhere else, e.g. ``log_to=wandb.log``.
+
+To have the reporters receive the figures, attach the callback instead of passing it:
+
+    MemoryReportCallback(every_n_steps=50).attach(trainer)
+
+It then runs before every other callback, and adds the memory figures of the moment to each of the
+Trainer's own training log entries (every ``logging_steps``) before the reporters see them (the
+Trainer's log history keeps its copy of the entry without them, and the every-N entries above).
 """
 from __future__ import annotations
 
@@ -43,6 +51,20 @@ class MemoryReportCallback(TrainerCallback):
         self.prefix = prefix
         self.reset_peak = reset_peak
         self.log_to = log_to
+        self._into_logs = False
+
+    def attach(self, trainer) -> "MemoryReportCallback":
+        """Add this callback to ``trainer`` ahead of all others (the reporters included), so that
+        the Trainer's training log entries carry the memory figures to them. Returns self."""
+        handler = trainer.callback_handler
+        handler.callbacks = [self] + [cb for cb in handler.callbacks if cb is not self]
+        self._into_logs = True
+        return self
+
+    def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
+        if self._into_logs and isinstance(logs, dict) and "loss" in logs:  # a training entry
+            logs.update(report_gib(memory_report(optimizer), self.prefix))
+        return None
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         if state.global_step % self.every_n_steps:
