@@ -22,9 +22,11 @@ also timed on the first step after a full page-out of their states.
     python bench/bench_step.py --no-torchao --out /tmp/out
     python bench/bench_step.py --smoke --out /tmp/bs   # tiny, CPU, pagedopt only, seconds
 
-On CUDA each case (optimizer x set x dtype) runs in a child process of its own (--isolate), so
-that one library's leaked or cached memory, or a broken CUDA context, cannot touch another's
-figure; the parent measures the copy bandwidth once and merges the children's records.
+On CUDA each library's rows of a (set, dtype) run in a child process of their own (--isolate
+library; --isolate case gives every row its own), so that one library's leaked or cached memory,
+or a broken CUDA context, cannot touch another's figure; the parent measures the copy bandwidth
+once and merges the children's records. A child costs a few seconds (imports, CUDA context,
+parameters).
 
 Peers that cannot be imported or fail are recorded as skipped, with the reason.
 Keep the total managed memory under 16 GiB (device safety rule): paged optimizers are
@@ -248,10 +250,11 @@ def parse_args(argv):
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failed cases")
-    ap.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
-                    help="each case in a process of its own, so that one library's leaked memory or broken "
-                    "CUDA context cannot touch another's figure (auto: yes on CUDA, no on the CPU)")
-    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)        # SET/DTYPE/NAME: this case only
+    ap.add_argument("--isolate", choices=("auto", "library", "case", "no"), default="auto",
+                    help="child processes: one per library and (set, dtype), or one per case, so that one "
+                    "library's leaked memory or broken CUDA context cannot touch another's figure (auto: library "
+                    "on CUDA, no on the CPU)")
+    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)        # SET/DTYPE/NAME,...: these cases only
     ap.add_argument("--case-out", default=None, help=argparse.SUPPRESS)    # where the case's JSON goes
     ap.add_argument("--copy-gbps", type=float, default=None, help=argparse.SUPPRESS)  # the parent's probe
     args = ap.parse_args(argv)
@@ -268,16 +271,16 @@ def parse_args(argv):
     return args
 
 
-def run_isolated(argv: list[str], key: str, runner: "Runner") -> list[dict]:
-    """One case of the plan (``key`` = set/dtype/name) in a child process of this script; its
-    cases as it recorded them, or one error case if it died without a record."""
+def run_isolated(argv: list[str], keys: list[str], runner: "Runner") -> list[dict]:
+    """Cases of the plan (each key set/dtype/name) in one child process of this script; the cases
+    as it recorded them, or an error case for each if it died without a record."""
     import subprocess
     import tempfile
 
-    set_name, dtype, name = key.split("/")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "case.json")
-        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--case", key, "--case-out", out, "--isolate", "no"]
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--case", ",".join(keys), "--case-out", out,
+               "--isolate", "no"]
         if runner.copy_gbps:
             cmd += ["--copy-gbps", repr(runner.copy_gbps)]
         left = runner.budget_left()
@@ -292,8 +295,12 @@ def run_isolated(argv: list[str], key: str, runner: "Runner") -> list[dict]:
         if os.path.exists(out):
             with open(out) as f:
                 return json.load(f)
-    return [{"name": name, "family": name.split("_")[0], "set": set_name, "dtype": dtype, "mode": "resident",
-             "error" if name.startswith("pagedopt") else "skipped": f"its process died: {err}"}]
+    died = []
+    for key in keys:
+        set_name, dtype, name = key.split("/")
+        died.append({"name": name, "family": name.split("_")[0], "set": set_name, "dtype": dtype, "mode": "resident",
+                     "error" if name.startswith("pagedopt") else "skipped": f"its process died: {err}"})
+    return died
 
 
 def main(argv=None) -> int:
@@ -325,7 +332,7 @@ def main(argv=None) -> int:
         runner.out_json = None
     else:
         print(f"bench_step on {res['env'].get('device_name')} ({device}), torch {torch.__version__}", flush=True)
-    isolate = args.isolate == "yes" or (args.isolate == "auto" and C.is_cuda(device))
+    isolate = args.isolate if args.isolate != "auto" else ("library" if C.is_cuda(device) else "no")
 
     if not args.case:
         try:
@@ -363,21 +370,30 @@ def main(argv=None) -> int:
                     if (spec.min_budget_s > 0) == late and set_name in spec.sets and dtype in spec.dtypes:
                         plan.append((set_name, dtype, spec))
     if args.case:
-        plan = [(s, d, sp) for s, d, sp in plan if f"{s}/{d}/{sp.name}" == args.case]
+        keys = args.case.split(",")
+        plan = [(s, d, sp) for s, d, sp in plan if f"{s}/{d}/{sp.name}" in keys]
     res["plan"] = [f"{s}/{d}/{sp.name}" for s, d, sp in plan]
     res["isolated"] = isolate
 
-    params, current = None, None
-    for set_name, dtype, spec in plan:
-        if isolate:
+    if isolate != "no":  # the rows of one (set, dtype) and library, or each row, per child
+        groups: dict[tuple, list[str]] = {}
+        for set_name, dtype, spec in plan:
+            group_key = (set_name, dtype, spec.family if isolate == "library" else spec.name)
+            groups.setdefault(group_key, []).append(f"{set_name}/{dtype}/{spec.name}")
+        current = None
+        for (set_name, dtype, _), keys in groups.items():
             if current != (set_name, dtype):
                 current = (set_name, dtype)
                 shapes = sets[set_name][0]
                 print(f"set {set_name} {dtype}: {len(shapes)} tensors, {C.numel_of(shapes) / 1e6:.1f}M params "
-                      f"(each case in its own process)", flush=True)
-            for case in run_isolated(argv, f"{set_name}/{dtype}/{spec.name}", runner):
+                      f"(a process per {isolate})", flush=True)
+            for case in run_isolated(argv, keys, runner):
                 runner.add(case, echo=False)
-            continue
+        res["children"] = len(groups)
+        plan = []
+
+    params, current = None, None
+    for set_name, dtype, spec in plan:
         if current != (set_name, dtype):
             params = None
             C.free_memory()

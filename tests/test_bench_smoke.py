@@ -96,21 +96,28 @@ def test_bench_step_smoke(tmp_path):
     assert "optimizer" in proc.stdout  # the closing table
 
 
-def test_bench_step_isolated_cases(tmp_path):
-    """--isolate yes (the default on CUDA): each case runs in a child process of its own, and the
-    parent records what the children measured, with the copy bandwidth of its own probe."""
+@pytest.mark.parametrize("isolate, children, order", [
+    ("case", 3, ["pagedopt_adamw8bit", "torch_adamw_fused", "pagedopt_lion8bit"]),      # the plan's order
+    ("library", 2, ["pagedopt_adamw8bit", "pagedopt_lion8bit", "torch_adamw_fused"])])  # a library's rows together
+def test_bench_step_isolated_cases(tmp_path, isolate, children, order):
+    """--isolate (library by default on CUDA): the rows run in child processes of this script, one
+    per case or one per library and (set, dtype), and the parent records what the children
+    measured, with the copy bandwidth of its own probe."""
     out = tmp_path / "iso"
-    proc = _run([os.path.join("bench", "bench_step.py"), "--smoke", "--no-plot", "--isolate", "yes", "--sets",
-                 "tinyllama", "--dtypes", "fp32", "--only", "pagedopt_adamw8bit,pagedopt_lion8bit", "--out", str(out)])
+    rows = "pagedopt_adamw8bit,pagedopt_lion8bit,torch_adamw_fused"
+    proc = _run([os.path.join("bench", "bench_step.py"), "--smoke", "--no-plot", "--isolate", isolate, "--sets",
+                 "tinyllama", "--dtypes", "fp32", "--only", rows, "--out", str(out)])
     doc = json.loads((out / "bench_step.json").read_text())
-    assert doc["isolated"] is True
-    assert [c["name"] for c in doc["cases"]] == ["pagedopt_adamw8bit", "pagedopt_lion8bit"]
+    assert doc["isolated"] == isolate
+    assert [c["name"] for c in doc["cases"]] == order
     copy = doc["bandwidth"]["copy"]["gbps"]
     for c in doc["cases"]:
         assert not c.get("error") and _positive(c["median_ms"]) and c["finite"] is True, c
         assert math.isclose(c["frac_copy"], c["gbps"] / copy, rel_tol=1e-9), c  # the parent's probe
     progress = [line for line in proc.stdout.splitlines() if line.startswith("  pagedopt_lion8bit ")]
     assert len(progress) == 1, proc.stdout  # the case's progress line, printed once (by its child)
+    assert proc.stdout.count("bench_step on ") == 1  # children print no header
+    assert doc["children"] == children
 
 
 def test_bench_quant_smoke(tmp_path):
