@@ -1,6 +1,6 @@
 """SGD, RMSprop and Adagrad (the nine bitsandbytes classes) against the float64 oracles of
 reference_family2.py, as tests/FAMILY2_SEMANTICS.md sets them out: the classes' API, refusals,
-state layout, 32-bit steps and state_dict round trip, skipped until pagedopt has the classes
+state layout, 32-bit steps and state_dict round trip
 (8-bit steps: test_family2_8bit.py; the oracles against torch.optim, always run:
 test_family2_oracles.py). Every tolerance is derived where it is used or in reference_family2.py."""
 import gc
@@ -15,17 +15,9 @@ import torch
 import family_checks as fc
 from reference_family2 import sgd_step, step_bound, torch_run, trajectory_bound
 
-try:
-    import pagedopt
-    IMPL = getattr(pagedopt, "SGD8bit", None) is not None
-    CUDA = IMPL and torch.cuda.is_available() and pagedopt._ops.has_cuda_kernels()
-    WHY = "pagedopt has no SGD/RMSprop/Adagrad classes yet"
-except Exception as e:  # not built, or mid-build: the oracle tests still run
-    pagedopt, IMPL, CUDA, WHY = None, False, False, f"pagedopt does not import: {e!r}"
+import pagedopt
+from device_params import DEVICES
 
-needs_impl = pytest.mark.skipif(not IMPL, reason=WHY)
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not CUDA, reason="needs a CUDA GPU and the CUDA kernels")])]
 SGD = ["SGD", "SGD8bit", "SGD32bit"]
 RMSPROP = ["RMSprop", "RMSprop8bit", "RMSprop32bit"]
 ADAGRAD = ["Adagrad", "Adagrad8bit", "Adagrad32bit"]
@@ -142,7 +134,6 @@ def expected_signature(name):
     return ps + ([("percentile_clipping", 100), ("block_wise", True)] if old else [])
 
 
-@needs_impl
 @pytest.mark.parametrize("name", ALL)
 def test_signature_and_defaults(name):
     sig = inspect.signature(getattr(pagedopt, name).__init__)
@@ -156,7 +147,6 @@ def test_signature_and_defaults(name):
             assert group[k] == want[k], k
 
 
-@needs_impl
 @pytest.mark.parametrize("name, args", [
     ("SGD8bit", (0.1, 0.9, 0.5, 0.05)), ("SGD", (0.1, 0.8, 0.0, 0.05, True)), ("SGD32bit", (0.1, 0.0, 0.0, 0.05)),
     ("RMSprop", (0.02, 0.9, 1e-3, 0.05)), ("RMSprop8bit", (0.02, 0.5, 1e-4, 0.0)),
@@ -198,7 +188,6 @@ REFUSED = [
     ("Adagrad8bit", dict(weight_decay=-0.1), "Invalid"), ("Adagrad32bit", dict(lr=-0.01), "Invalid")]
 
 
-@needs_impl
 @pytest.mark.parametrize("name, kwargs, match", REFUSED)
 def test_refusals_raise_value_error_and_create_nothing(name, kwargs, match):
     """ValueError naming the argument (FAMILY2_SEMANTICS.md, pagedopt's column), and nothing is
@@ -220,7 +209,6 @@ def test_refusals_raise_value_error_and_create_nothing(name, kwargs, match):
     assert (dict(mng.pid2config), dict(getattr(mng, "index2config", {}))) == overrides
 
 
-@needs_impl
 @pytest.mark.parametrize("name", SGD + RMSPROP)
 def test_accepted_where_bitsandbytes_refuses(name):
     """SGD with momentum 0 (plain SGD: only `step` in the state) and RMSprop with alpha 0
@@ -239,7 +227,6 @@ def test_accepted_where_bitsandbytes_refuses(name):
         assert set(opt.state[p]) == {"step"}
 
 
-@needs_impl
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ALL)
 def test_state_layout(name, device):
@@ -288,7 +275,6 @@ def alternatives(algo, hp):
     return alts
 
 
-@needs_impl
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ALL)
 def test_32bit_matches_float64_oracle(name, device):
@@ -309,7 +295,6 @@ def test_32bit_matches_float64_oracle(name, device):
         assert set(rejected) == set(alts), (kw, rejected)
 
 
-@needs_impl
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["SGD", "SGD32bit", "RMSprop32bit", "RMSprop", "Adagrad", "Adagrad32bit"])
 def test_32bit_matches_torch_optim(name, device):
@@ -341,7 +326,6 @@ ROUND_TRIP = [(n, dict(lr=0.05, momentum=0.9, weight_decay=0.1) if algo_of(n) ==
                                ("SGD", dict(lr=0.05, momentum=0.8, nesterov=True, optim_bits=8))]
 
 
-@needs_impl
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name, kw", ROUND_TRIP)
 def test_state_dict_round_trip(name, kw, device):

@@ -1,8 +1,7 @@
 """8-bit SGD, RMSprop and Adagrad against the float64 oracles (tests/FAMILY2_SEMANTICS.md): after
 every step the dequantized state is within the quantization bound of the oracle's new state
 computed from the previous dequantized one, and the parameter moved as the oracle says given that
-state (bounds derived in reference_family2.py and family_checks.check_stored). Skips until
-pagedopt has the classes."""
+state (bounds derived in reference_family2.py and family_checks.check_stored)."""
 import pytest
 import torch
 from hypothesis import given
@@ -11,17 +10,9 @@ from hypothesis import strategies as st
 from reference_family2 import step_bound
 from test_family2 import CONFIGS, algo_of, alternatives, hparams, run_and_check, state_of
 
-try:
-    import pagedopt
-    IMPL = getattr(pagedopt, "SGD8bit", None) is not None
-    CUDA = IMPL and torch.cuda.is_available() and pagedopt._ops.has_cuda_kernels()
-    WHY = "pagedopt has no SGD/RMSprop/Adagrad classes yet"
-except Exception as e:  # not built, or mid-build
-    pagedopt, IMPL, CUDA, WHY = None, False, False, f"pagedopt does not import: {e!r}"
+import pagedopt
+from device_params import DEVICES, needs_cuda
 
-pytestmark = pytest.mark.skipif(not IMPL, reason=WHY)
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not CUDA, reason="needs a CUDA GPU and the CUDA kernels")])]
 EIGHT = ["SGD8bit", "RMSprop8bit", "Adagrad8bit"]
 
 
@@ -113,7 +104,7 @@ def test_8bit_step_property(seed, shape, algo, steps, lr, wd, beta, variant, sca
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and the CUDA kernels")
+@needs_cuda
 @pytest.mark.parametrize("name, kw", [("SGD8bit", dict(lr=0.05, momentum=0.9, dampening=0.3)),
                                       ("SGD8bit", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1)),
                                       ("RMSprop8bit", dict(weight_decay=0.1)), ("Adagrad8bit", dict(weight_decay=0.1)),

@@ -1,7 +1,7 @@
 """8-bit Lion and AdEMAMix against the float64 oracles (tests/FAMILY_SEMANTICS.md): after every
 step the dequantized states are within the quantization bound of the oracle's new states computed
 from the previous dequantized ones, and the parameter moved as the oracle says given those states
-(bounds derived in family_checks.py). Skips until pagedopt has the classes."""
+(bounds derived in family_checks.py)."""
 import pytest
 import torch
 from hypothesis import given
@@ -9,17 +9,9 @@ from hypothesis import strategies as st
 
 import family_checks as fc
 
-try:
-    import pagedopt
-    IMPL = getattr(pagedopt, "Lion8bit", None) is not None
-    CUDA = IMPL and torch.cuda.is_available() and pagedopt._ops.has_cuda_kernels()
-    WHY = "pagedopt has no Lion/AdEMAMix classes yet"
-except Exception as e:  # not built, or mid-build
-    pagedopt, IMPL, CUDA, WHY = None, False, False, f"pagedopt does not import: {e!r}"
+import pagedopt
+from device_params import DEVICES, needs_cuda
 
-pytestmark = pytest.mark.skipif(not IMPL, reason=WHY)
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not CUDA, reason="needs a CUDA GPU and the CUDA kernels")])]
 EIGHT = ["Lion8bit", "PagedLion8bit", "AdEMAMix8bit", "PagedAdEMAMix8bit"]
 
 
@@ -91,7 +83,7 @@ def test_8bit_step_property(seed, shape, lion, steps, lr, wd, betas_i, scale, sc
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and the CUDA kernels")
+@needs_cuda
 @pytest.mark.parametrize("name", ["Lion8bit", "AdEMAMix8bit", "PagedAdEMAMix8bit"])
 @pytest.mark.parametrize("layout", ["40x130", "1001", "offset"])
 def test_cuda_and_cpu_codes_are_bit_identical(name, layout):

@@ -2,7 +2,6 @@
 min(1, max_unorm * ||p|| / ||u||) (||p|| before the step), bitsandbytes' rule. The oracles below
 compute a step in float64 from the optimizer's own previous states (dequantized when 8-bit), so
 each step is checked alone; U = 2^-24 is the float32 unit roundoff."""
-import copy
 import inspect
 import io
 import math
@@ -13,6 +12,7 @@ import torch
 import pagedopt
 from pagedopt.quant import dequantize_blockwise_reference, max_rounding_error
 
+from device_params import DEVICES, needs_cuda
 from reference import block_absmax_float64
 
 U = 2.0**-24
@@ -169,10 +169,6 @@ def test_signatures_follow_bitsandbytes():
         (1e-3, (0.9, 0.999), False, 1.0)
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not (torch.cuda.is_available() and pagedopt._ops.has_cuda_kernels()), reason="needs a CUDA GPU and the CUDA kernels")])]
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", CLASSES)
 def test_state_dict_round_trip_and_grad_scaler(name, device):
@@ -215,12 +211,8 @@ def test_state_dict_round_trip_and_grad_scaler(name, device):
             assert torch.equal(v, twin.state[b][k]), k
 
 
-CUDA = pytest.mark.skipif(not (torch.cuda.is_available() and pagedopt._ops.has_cuda_kernels()),
-                          reason="needs a CUDA GPU and the CUDA kernels")
-
-
 @pytest.mark.cuda
-@CUDA
+@needs_cuda
 @pytest.mark.parametrize("name", ["LARS8bit", "LAMB8bit", "LAMB32bit"])
 def test_cuda_matches_cpu(name):
     """Same inputs on both backends: the states bit for bit (the moments do not depend on the

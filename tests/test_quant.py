@@ -17,12 +17,11 @@ from pagedopt import _ops
 from pagedopt.quant import (check_codebook, dequantize_blockwise_reference, dynamic_codebook,
                             max_rounding_error, nearest_code_reference, quantize_blockwise_reference)
 
+from device_params import DEVICES
 from reference import block_absmax_float64
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BNB_MAPS = Path(__file__).parent / "data" / "bnb_dynamic_maps.json"
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not (torch.cuda.is_available() and _ops.has_cuda_kernels()), reason="needs a CUDA GPU and the CUDA kernels")])]
 
 
 def absmax_float64(x, blocksize=256):
