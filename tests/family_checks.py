@@ -173,6 +173,21 @@ def check_ademamix_step(opt, p, p_prev, g, prev, t, hp, alts=None):
     return rejected
 
 
+def make(name, params, *args, **kw):
+    """pagedopt's class of that name on ``params``."""
+    import pagedopt
+
+    return getattr(pagedopt, name)(params, *args, **kw)
+
+
+def case(device, seed=0):
+    """A generator and two parameters on ``device``: (300, 20), whose tail block is partial, and 17
+    elements (under min_8bit_size: 32-bit states)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(300, 20, generator=gen), torch.randn(17, generator=gen)]
+    return gen, [p.to(device).requires_grad_(True) for p in params]
+
+
 def gradients(params, gen, scale=0.1):
     """Nonzero random gradients (a normal times a log-normal), set on params; returned on the CPU."""
     out = []

@@ -43,24 +43,7 @@ def hparams(name, **kw):
     return hp
 
 
-def make(name, params, *args, **kw):
-    return getattr(pagedopt, name)(params, *args, **kw)
-
-
-def case(device, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    params = [torch.randn(300, 20, generator=gen), torch.randn(17, generator=gen)]
-    return gen, [p.to(device).requires_grad_(True) for p in params]
-
-
-def gradients(params, gen, scale=0.1):
-    """Random gradients (a normal times a log-normal), set on params; returned on the CPU."""
-    out = []
-    for p in params:
-        g = torch.randn(p.shape, generator=gen) * scale * torch.exp(torch.randn(p.shape, generator=gen) * 0.5)
-        p.grad = g.to(p.device)
-        out.append(g)
-    return out
+make, case, gradients = fc.make, fc.case, fc.gradients
 
 
 def state_of(opt, p):

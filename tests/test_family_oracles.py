@@ -21,14 +21,7 @@ U = fc.U
 EMPTY = inspect.Parameter.empty
 
 
-def make(name, params, *args, **kw):
-    return getattr(pagedopt, name)(params, *args, **kw)
-
-
-def case(device, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    params = [torch.randn(300, 20, generator=gen), torch.randn(17, generator=gen)]
-    return gen, [p.to(device).requires_grad_(True) for p in params]
+make, case = fc.make, fc.case
 
 
 # ------------------------------------------------------------------ the oracles against each other
