@@ -62,8 +62,9 @@ def quantized_step_list_(held, params: list, grads: list, hyper: list, grad_scal
     """quantized_step_ on the states that ``held`` (a torch.classes.pagedopt.QuantizedStateList)
     holds. An eager call with a real held object goes straight to the op's C++ entry point:
     torch's Python entry point of an op with a custom-class argument first walks every element of
-    every list argument, looking for a fake object (for tracing), which costs about 0.3 us per
-    tensor (1 ms a step on 2000 parameters). Under tracing (a FakeScriptObject) it goes the usual way."""
+    every list argument, looking for a fake object (for tracing): measured on a 2-core CPU machine,
+    2.00 ms against 1.45 ms per call for 2000 one-element parameters (about 0.14 us per tensor of
+    the two lists). Under tracing (a FakeScriptObject) it goes the usual way."""
     if isinstance(held, torch.ScriptObject):
         _QUANTIZED_STEP_LIST(held, params, grads, hyper, grad_scale, found_inf, None)
     else:

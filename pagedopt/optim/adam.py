@@ -82,10 +82,11 @@ class AdamBase(QuantizedOptimizer):
                 # _FP32_COPY_NUMEL elements at a time (the update is elementwise, so a tensor may be cut
                 # into flat ranges), so that the copies never cost more than a few MiB of memory.
                 for run in flat_runs([w.numel() for w in work_params], _FP32_COPY_NUMEL, _FP32_COPY_ALIGN):
-                    run_params = [x.float() for x in flat_parts(work_params, run)]
+                    views = flat_parts(work_params, run)
+                    run_params = [x.float() for x in views]
                     fused(run_params, [x.float() for x in flat_parts(work_grads, run)], flat_parts(state1, run),
                           flat_parts(state2, run), [], [steps[i] for i, _, _ in run], **hyper)
-                    self._write_back(flat_parts(work_params, run), run_params)
+                    self._write_back(views, run_params)
             if work_params is not params:
                 self._write_back(params, work_params)
 
