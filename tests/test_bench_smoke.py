@@ -161,3 +161,26 @@ def test_merge_and_summary(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_bench_train_smoke(tmp_path):
+    """bench_train.py --smoke: every smoke mode trains the tiny model in its own process and
+    records finite losses and a step time; the modes see the same model and tokens."""
+    _run([os.path.join(BENCH, "bench_train.py"), "--smoke", "--out", str(tmp_path)])
+    with open(tmp_path / "train.json") as f:
+        doc = json.load(f)
+    recs = {r["mode"]: r for r in doc["records"]}
+    assert set(recs) == {"torch_adamw_fused", "pagedopt_adamw8bit", "pagedopt_paged_adamw8bit_pageout"}
+    for r in recs.values():
+        assert "skipped" not in r, r
+        assert _positive(r["step_ms"]) and len(r["step_ms_all"]) == 2
+        assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"])
+        assert r["params"] == doc["params"]  # the closed-form count matches the model's parameters
+    # the same seed gives every mode the same model and tokens: the loss before any update agrees
+    assert len({r["losses"][0] for r in recs.values()}) == 1
+    # and the updates move it
+    assert recs["pagedopt_adamw8bit"]["losses"][2] != recs["pagedopt_adamw8bit"]["losses"][0]
+    # page_out() after every step never changes the math: the paged mode's losses are the resident 8-bit ones
+    assert recs["pagedopt_paged_adamw8bit_pageout"]["losses"] == recs["pagedopt_adamw8bit"]["losses"]
+    if _has_matplotlib():
+        assert (tmp_path / "train.png").stat().st_size > 0

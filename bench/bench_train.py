@@ -1,0 +1,336 @@
+"""End-to-end training step: a ~1B-parameter causal LM (plain torch, bf16 autocast) trained for a
+few steps with each optimizer mode, every mode in a process of its own, side by side in one run.
+
+Per mode: the median time of a whole training step (forward, backward, optimizer step, zero_grad
+and, for the "paged out" modes, a page-out of every optimizer state after the step), and the peak
+GPU memory two ways: ``torch.cuda.max_memory_allocated`` (torch's caching allocator only: it does
+not see managed memory, so paged states do not show there) and the device-level used memory
+(``cudaMemGetInfo``: total - free, sampled after backward and after the optimizer step, minus what
+was used before the model existed), which counts managed pages resident on the GPU.
+
+The default model (d_model 2048, 16 layers, MLP 4x, vocabulary 32000, untied head: 936M
+parameters, fp32 master weights) is trained on random tokens, batch 8 x 512.
+
+    python bench/bench_train.py --out /tmp/train                  # every mode, on CUDA
+    python bench/bench_train.py --modes torch_adamw_fused,pagedopt_paged_adamw8bit_pageout
+    python bench/bench_train.py --smoke --out /tmp/bt             # tiny model, CPU, seconds (CI)
+
+Modes whose library is missing or that fail are recorded as skipped, with the reason. Each mode
+runs in a child process (``--mode``), so one library's leaked or cached memory, or a broken CUDA
+context, cannot touch another's figure.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.append(os.path.dirname(HERE))  # the repo root, after any installed pagedopt
+import common as C  # noqa: E402
+
+HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+
+
+# --------------------------------------------------------------------------- the model
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = 2048
+    layers: int = 16
+    heads: int = 16
+    mlp_ratio: int = 4
+    vocab: int = 32000
+    seq: int = 512
+    batch: int = 8
+
+
+TINY = ModelConfig(d_model=64, layers=2, heads=4, vocab=256, seq=32, batch=2)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.heads = cfg.heads
+        self.norm1 = nn.RMSNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.norm2 = nn.RMSNorm(d)
+        self.up = nn.Linear(d, cfg.mlp_ratio * d, bias=False)
+        self.down = nn.Linear(cfg.mlp_ratio * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def param_count(cfg: ModelConfig) -> int:
+    d = cfg.d_model
+    per_layer = 4 * d * d + 2 * cfg.mlp_ratio * d * d + 2 * d
+    return cfg.layers * per_layer + 2 * cfg.vocab * d + d
+
+
+# --------------------------------------------------------------------------- the modes
+@dataclasses.dataclass
+class Mode:
+    name: str
+    make: Callable  # (params, device) -> optimizer
+    page_out: bool = False  # page out every state after each step (opt.page_out())
+    cuda_only: bool = False
+    note: str = ""
+
+
+def _pagedopt(cls: str):
+    def make(params, device):
+        import pagedopt
+        return getattr(pagedopt, cls)(params, **HYPER)
+    return make
+
+
+def _bnb(cls: str):
+    def make(params, device):
+        import bitsandbytes as bnb
+        return getattr(bnb.optim, cls)(params, **HYPER)
+    return make
+
+
+def _torch_adamw(params, device):
+    return torch.optim.AdamW(params, fused=C.is_cuda(device), **HYPER)
+
+
+def _torchao_offload(params, device):
+    from torchao.optim import CPUOffloadOptimizer
+    return CPUOffloadOptimizer(params, torch.optim.AdamW, fused=True, **HYPER)
+
+
+MODES = [
+    Mode("torch_adamw_fused", _torch_adamw, note="32-bit states, never paged"),
+    Mode("pagedopt_adamw8bit", _pagedopt("AdamW8bit")),
+    Mode("pagedopt_paged_adamw8bit", _pagedopt("PagedAdamW8bit"), note="paged, resident"),
+    Mode("pagedopt_paged_adamw8bit_pageout", _pagedopt("PagedAdamW8bit"), page_out=True,
+         note="page_out() after every step"),
+    Mode("bnb_adamw8bit", _bnb("AdamW8bit"), cuda_only=True),
+    Mode("bnb_paged_adamw8bit", _bnb("PagedAdamW8bit"), cuda_only=True, note="paged, resident"),
+    Mode("torchao_cpu_offload", _torchao_offload, cuda_only=True,
+         note="CPUOffloadOptimizer(AdamW, fused=True): AdamW on the CPU, states on the host"),
+]
+SMOKE_MODES = ("torch_adamw_fused", "pagedopt_adamw8bit", "pagedopt_paged_adamw8bit_pageout")
+
+
+# --------------------------------------------------------------------------- one mode (child)
+def device_used(device) -> int:
+    """Bytes in use on the whole device (every allocator, managed pages, the context)."""
+    if not C.is_cuda(device):
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def run_mode(mode: Mode, cfg: ModelConfig, device, warmup: int, steps: int, seed: int = 0) -> dict:
+    """Train `warmup + steps` steps; the record of the timed ones."""
+    if mode.cuda_only and not C.is_cuda(device):
+        return {"mode": mode.name, "skipped": "needs CUDA"}
+    C.free_memory()
+    base_used = device_used(device)
+    torch.manual_seed(seed)
+    model = CausalLM(cfg).to(device)
+    params = [p for p in model.parameters()]
+    opt = mode.make(params, device)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    tokens = torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g).to(device)
+    autocast_dtype = torch.bfloat16
+    peaks = {"after_backward": 0, "after_step": 0}
+
+    def train_step() -> float:
+        with torch.autocast(device_type=device.type, dtype=autocast_dtype):
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        peaks["after_backward"] = max(peaks["after_backward"], device_used(device) - base_used)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if mode.page_out:
+            opt.page_out()
+        peaks["after_step"] = max(peaks["after_step"], device_used(device) - base_used)
+        return loss.detach()
+
+    losses = []
+    for _ in range(warmup):
+        losses.append(float(train_step()))
+    if C.is_cuda(device):
+        torch.cuda.reset_peak_memory_stats(device)
+    peaks = {k: 0 for k in peaks}
+    times = []
+    for _ in range(steps):
+        C.sync(device)
+        t0 = time.perf_counter()
+        loss = train_step()
+        C.sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+        losses.append(float(loss))
+    rec = {
+        "mode": mode.name,
+        "note": mode.note,
+        "params": sum(p.numel() for p in params),
+        "step_ms": statistics.median(times),
+        "step_ms_all": times,
+        "losses": losses,
+        "max_memory_allocated": torch.cuda.max_memory_allocated(device) if C.is_cuda(device) else None,
+        "device_used_peak": max(peaks.values()) if C.is_cuda(device) else None,
+        "device_used_after_backward": peaks["after_backward"] if C.is_cuda(device) else None,
+        "device_used_after_step": peaks["after_step"] if C.is_cuda(device) else None,
+    }
+    if hasattr(opt, "paging_stats") and getattr(opt, "is_paged", False):
+        try:
+            rec["paging_stats"] = dict(opt.paging_stats().as_dict())
+        except Exception as exc:  # noqa: BLE001 - a report, not a check
+            rec["paging_stats"] = C.short_error(exc)
+    return rec
+
+
+# --------------------------------------------------------------------------- the parent
+def run_child(argv_base: list[str], name: str, out_path: str, timeout_s: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), *argv_base, "--mode", name, "--mode-out", out_path]
+    try:
+        proc = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"mode": name, "skipped": f"timed out after {timeout_s:.0f} s"}
+    if proc.returncode != 0 or not os.path.exists(out_path):
+        tail = (proc.stderr or "").strip().splitlines()[-3:]
+        return {"mode": name, "skipped": f"exit {proc.returncode}: " + " | ".join(tail)[-300:]}
+    with open(out_path) as f:
+        return json.load(f)
+
+
+def result_table(records: list[dict]) -> str:
+    gib = float(1 << 30)
+    ref = next((r["step_ms"] for r in records if r.get("mode") == "pagedopt_adamw8bit" and "step_ms" in r), None)
+    rows = []
+    for r in records:
+        if "skipped" in r:
+            rows.append([r["mode"], None, None, None, None, "skipped: " + r["skipped"]])
+            continue
+        mma = r.get("max_memory_allocated")
+        used = r.get("device_used_peak")
+        rows.append([r["mode"], r["step_ms"], r["step_ms"] / ref if ref else None,
+                     mma / gib if mma is not None else None, used / gib if used is not None else None, r.get("note", "")])
+    return C.table(rows, ["mode", "step ms", "x adamw8bit", "max alloc GiB", "device used GiB", "note"])
+
+
+def plot(records: list[dict], path: str) -> Optional[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    done = [r for r in records if "step_ms" in r]
+    if not done:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 0.5 * len(done) + 1.5))
+    names = [r["mode"] for r in done]
+    a.barh(names, [r["step_ms"] for r in done])
+    a.set_xlabel("median training step (ms)")
+    a.invert_yaxis()
+    used = [(r.get("device_used_peak") or 0) / (1 << 30) for r in done]
+    b.barh(names, used)
+    b.set_xlabel("peak device memory used (GiB)")
+    b.invert_yaxis()
+    b.set_yticklabels([])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default="", help="comma-separated mode names (default: all; --smoke: "
+                    + ",".join(SMOKE_MODES) + ")")
+    ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, a few steps (CI)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mode's process")
+    ap.add_argument("--out", default=None, help="folder for train.json (and train.png)")
+    ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)      # child: run this mode only
+    ap.add_argument("--mode-out", default=None, help=argparse.SUPPRESS)  # child: its record
+    args = ap.parse_args(argv)
+
+    cfg = TINY if args.smoke else ModelConfig()
+    if args.layers is not None:
+        cfg = dataclasses.replace(cfg, layers=args.layers)
+    if args.batch is not None:
+        cfg = dataclasses.replace(cfg, batch=args.batch)
+    device = torch.device(args.device or ("cpu" if args.smoke or not torch.cuda.is_available() else "cuda"))
+    if args.smoke:
+        args.warmup, args.steps = min(args.warmup, 1), min(args.steps, 2)
+    by_name = {m.name: m for m in MODES}
+    names = [n for n in args.modes.split(",") if n] or (list(SMOKE_MODES) if args.smoke else list(by_name))
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        ap.error(f"unknown mode(s) {unknown}; known: {', '.join(by_name)}")
+
+    if args.mode is not None:  # a child
+        try:
+            rec = run_mode(by_name[args.mode], cfg, device, args.warmup, args.steps)
+        except Exception as exc:  # noqa: BLE001 - recorded as skipped, with the reason
+            rec = {"mode": args.mode, "skipped": C.short_error(exc)}
+        C.write_json(args.mode_out, rec)
+        return 0
+
+    out_dir = args.out or os.path.join(os.getcwd(), "bench_train_out")
+    os.makedirs(out_dir, exist_ok=True)
+    child_argv = ["--device", str(device), "--warmup", str(args.warmup), "--steps", str(args.steps),
+                  "--layers", str(cfg.layers), "--batch", str(cfg.batch)] + (["--smoke"] if args.smoke else [])
+    records = []
+    for name in names:
+        print(f"[bench_train] {name} ...", flush=True)
+        rec = run_child(child_argv, name, os.path.join(out_dir, f"mode_{name}.json"), args.timeout)
+        records.append(rec)
+        print("   ", rec.get("skipped") or f"{rec['step_ms']:.1f} ms", flush=True)
+    doc = {"env": C.env_info(device), "config": dataclasses.asdict(cfg), "params": param_count(cfg),
+           "command": " ".join([os.path.basename(sys.executable), "bench/bench_train.py", *(argv or sys.argv[1:])]),
+           "records": records}
+    C.write_json(os.path.join(out_dir, "train.json"), doc)
+    print(result_table(records))
+    png = plot(records, os.path.join(out_dir, "train.png"))
+    if png:
+        print(f"chart: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
