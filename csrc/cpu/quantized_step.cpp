@@ -56,7 +56,7 @@ void step_tensor(scalar_t* p, const scalar_t* g, int64_t n, const MomentPointers
         const float gf = static_cast<float>(g[i]) * inv_scale;
         p[i] = static_cast<scalar_t>(Algo::update(static_cast<float>(p[i]), gf, s, c));
         if (kEightBit) {
-          const bool counts = counts_for_absmax(s);
+          const bool counts = element_counts_for_absmax<Algo>(s);
           for (int k = 0; k < M; ++k) {
             moments[k][j] = s[k];
             if (counts) new_absmax[k] = std::max(new_absmax[k], std::fabs(s[k]));

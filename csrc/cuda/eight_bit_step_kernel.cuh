@@ -166,7 +166,7 @@ __device__ __forceinline__ void full_block(const TensorMeta& m, const typename A
 #pragma unroll
     for (int j = 0; j < M; ++j) q[j] = byte_of(w[j], k);
     pv[k] = element_update<Algo>(pv[k], gv[k] * inv_scale, s[k], q, old_absmax, sm, c);
-    const bool counts = counts_for_absmax(s[k]);
+    const bool counts = element_counts_for_absmax<Algo>(s[k]);
 #pragma unroll
     for (int j = 0; j < M; ++j) mx[j] = fmaxf(mx[j], counts ? fabsf(s[k][j]) : 0.0f);
   }
@@ -210,7 +210,7 @@ __device__ __forceinline__ void partial_block(const TensorMeta& m, const typenam
       for (int j = 0; j < M; ++j) q[j] = moment_codes<Algo>(m, j)[i];
       float s[M];
       element_update<Algo>(Elem<T>::load(p + i), Elem<T>::load(g + i) * inv_scale, s, q, old_absmax, sm, c);
-      const bool counts = counts_for_absmax(s);
+      const bool counts = element_counts_for_absmax<Algo>(s);
 #pragma unroll
       for (int j = 0; j < M; ++j) mx[j] = fmaxf(mx[j], counts ? fabsf(s[j]) : 0.0f);
     }

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "pagedopt/algorithms/adagrad.h"
 #include "pagedopt/algorithms/adam.h"
@@ -49,6 +50,23 @@ PAGEDOPT_HOST_DEVICE bool counts_for_absmax(const float (&s)[N]) {
 PAGEDOPT_UNROLL
   for (int j = 0; j < N; ++j) ok = ok && fabsf(s[j]) <= 3.40282347e38f;  // false for NaN and +-inf
   return ok;
+}
+
+// The engine's absmax rule for one element of Algo: Algo::counts_for_absmax(s) where the
+// algorithm declares a cheaper test that decides the same (Adam: v alone), else every moment finite.
+template <typename A, typename = void>
+struct has_own_absmax_rule : std::false_type {};
+template <typename A>
+struct has_own_absmax_rule<A, std::void_t<decltype(A::counts_for_absmax(std::declval<const float (&)[A::kMoments]>()))>>
+    : std::true_type {};
+
+template <typename Algo>
+PAGEDOPT_HOST_DEVICE bool element_counts_for_absmax(const float (&s)[Algo::kMoments]) {
+  if constexpr (has_own_absmax_rule<Algo>::value) {
+    return Algo::counts_for_absmax(s);
+  } else {
+    return counts_for_absmax(s);
+  }
 }
 
 // Calls f(Algorithm{}) for the algorithm of that name.

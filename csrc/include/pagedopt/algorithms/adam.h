@@ -24,6 +24,13 @@ struct Adam {
     return adam_step_constants(a, t);
   }
 
+  // The engine's rule (every new moment finite) decided by v alone: m and v see the same g, and
+  // one_minus_beta2 > 0 (beta2 < 1), so a non-finite g makes v non-finite, and a finite g (with a
+  // finite old m) keeps m finite. One comparison per element instead of two.
+  PAGEDOPT_HOST_DEVICE static bool counts_for_absmax(const float (&s)[kMoments]) {
+    return fabsf(s[1]) <= 3.40282347e38f;  // false for NaN and +inf
+  }
+
   PAGEDOPT_HOST_DEVICE static float update(float p, float g, float (&s)[kMoments], const Constants& c) {
     return adam_update(p, g, s[0], s[1], c);
   }
