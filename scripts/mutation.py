@@ -66,6 +66,7 @@ FILE_ORDER = [
     "tests/test_resume.py",
     "tests/test_code_table_host.py",
     "tests/test_paging.py",
+    "tests/test_paging_cuda.py",
     "tests/test_memory.py",
     "tests/test_convergence.py",
     "tests/test_readme.py",
