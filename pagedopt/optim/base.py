@@ -35,6 +35,7 @@ from .hyperparameters import check_hyperparameters
 from .global_manager import GlobalOptimManager
 from .grad_checks import raise_bad_grad, raise_bad_sharding
 from .state_table import StateTable
+from .step_counters import add_to_counters, share_step_counters, subtract_from_counters
 
 # Paged steps are split into chunks of about this many state bytes, so that paging in the
 # next chunk overlaps the update of the current one.
@@ -61,7 +62,7 @@ class _Bucket(NamedTuple):
 class _StepPlan(NamedTuple):
     key: tuple
     buckets: list[_Bucket]
-    steps_by_device: dict
+    steps_by_device: dict      # device -> its parameters' step counters (step_counters.py)
     sharded: bool              # some parameter is a DTensor: kernels run on local shards (_local_tensors)
 
 
@@ -259,8 +260,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
 
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        for device, steps in plan.steps_by_device.items():
-            torch._foreach_add_(steps, 1.0)
+        for steps in plan.steps_by_device.values():
+            add_to_counters(steps, 1.0)
         if self._pager is not None:
             self._pager.begin_step()
         for bucket in plan.buckets:
@@ -276,7 +277,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
 
         if found_inf is not None:
             for device, steps in plan.steps_by_device.items():
-                torch._foreach_sub_(steps, found_inf.to(device, non_blocking=True))
+                subtract_from_counters(steps, found_inf.to(device, non_blocking=True))
 
     def _step_plan(self, params: list[torch.Tensor]) -> "_StepPlan":
         """The buckets of this set of parameters, built once and reused while the parameters with
@@ -303,8 +304,12 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             codebooks = tuple(id(st[q]) for q in self.algorithm.qmap_keys) if eight_bit else None
             setting = tuple(sorted((k, v) for k, v in override.items() if k not in ("optim_bits", "min_8bit_size")))
             members[(gi, p.device, p.dtype, eight_bit, stateful, codebooks, setting)].append(i)
+        on_device: dict[torch.device, list[dict]] = defaultdict(list)
+        for (_, device, *_), index in members.items():
+            on_device[device] += [state[params[i]] for i in index]
+        # before the state lists are held: they take the shared counters (step_counters.py)
+        steps_by_device = {device: share_step_counters(states, device) for device, states in on_device.items()}
         buckets = []
-        steps_by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for (gi, device, _, eight_bit, stateful, _, setting), index in members.items():
             bucket_params = [params[i] for i in index]
             states = [state[p] for p in bucket_params]
@@ -312,9 +317,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             held = self._hold_states(lists, states[0], eight_bit) if stateful else None
             buckets.append(_Bucket(gi, device, eight_bit, stateful, index, bucket_params, states, lists, held,
                                    dict(setting)))
-            steps_by_device[device] += [s["step"] for s in states]
         key = (id(state), state.version, self._plan_version, key[3])  # states may have been created
-        self._plan = _StepPlan(key, buckets, dict(steps_by_device), sharding.has_dtensor(params))
+        self._plan = _StepPlan(key, buckets, steps_by_device, sharding.has_dtensor(params))
         return self._plan
 
     def _cached_plan(self, params: list[torch.Tensor]) -> Optional["_StepPlan"]:
