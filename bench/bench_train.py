@@ -238,13 +238,13 @@ def result_table(records: list[dict]) -> str:
     rows = []
     for r in records:
         if "skipped" in r:
-            rows.append([r["mode"], None, None, None, None, "skipped: " + r["skipped"]])
+            rows.append([r["mode"], None, None, None, None, None, None, "skipped: " + r["skipped"]])
             continue
-        mma = r.get("max_memory_allocated")
-        used = r.get("device_used_peak")
-        rows.append([r["mode"], r["step_ms"], r["step_ms"] / ref if ref else None,
-                     mma / gib if mma is not None else None, used / gib if used is not None else None, r.get("note", "")])
-    return C.table(rows, ["mode", "step ms", "x adamw8bit", "max alloc GiB", "device used GiB", "note"])
+        in_gib = [r.get(k) / gib if r.get(k) is not None else None
+                  for k in ("max_memory_allocated", "device_used_peak", "device_used_after_backward", "device_used_after_step")]
+        rows.append([r["mode"], r["step_ms"], r["step_ms"] / ref if ref else None, *in_gib, r.get("note", "")])
+    return C.table(rows, ["mode", "step ms", "x adamw8bit", "max alloc GiB", "device used GiB", "after bwd GiB",
+                          "after step GiB", "note"])
 
 
 def plot(records: list[dict], path: str) -> Optional[str]:
