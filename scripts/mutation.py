@@ -56,6 +56,7 @@ DEFAULT_CATALOG = ROOT / "tests" / "mutants.toml"
 FILE_ORDER = [
     "tests/test_quant.py",
     "tests/test_adam8bit_kernel.py",
+    "tests/test_cuda_quantize.py",
     "tests/test_optim_vs_torch.py",
     "tests/test_optim_api.py",
     "tests/test_nonfinite.py",
