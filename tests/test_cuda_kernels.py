@@ -24,18 +24,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedopt import _ops, quant
+
 from bitwise_compare import assert_bitwise, rand_nonzero
+from device_params import needs_cuda
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
-
-_ops = pytest.importorskip("pagedopt._ops")
-quant = pytest.importorskip("pagedopt.quant")
-
-if torch.cuda.is_available() and not _ops.has_cuda_kernels():
-    pytestmark.append(pytest.mark.skip(reason="pagedopt was built without its CUDA kernels"))
+pytestmark = [pytest.mark.cuda, needs_cuda]
 
 STATE_BLOCK = quant.STATE_BLOCK_SIZE
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
