@@ -67,4 +67,9 @@ TORCH_LIBRARY(pagedopt, m) {
   m.def("advise_preferred_location_(Tensor(a!) t, Device? to) -> ()");
   m.def("is_managed(Tensor t) -> bool");
   m.def("residency(Tensor t) -> int");
+  // Copy-engine paging: discard a managed tensor's bytes (their contents become indeterminate and the
+  // driver may drop its pages without migrating them), optionally repopulating them at `to`; and
+  // exact-size page-locked host memory for the host copies of paged-out or host-resident states.
+  m.def("discard_(Tensor(a!) t, Device? to) -> ()");
+  m.def("pinned_empty(int[] size, ScalarType dtype) -> Tensor");
 }

@@ -5,11 +5,11 @@ from .optim import (LAMB, LARS, LAMB8bit, LAMB32bit, LARS8bit, LARS32bit, SGD, A
                     Adam, Adam8bit, Adam32bit, AdamBase, AdamW, AdamW8bit, AdamW32bit, GlobalOptimManager,
                     PagedAdam, PagedAdam8bit, PagedAdam32bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit)
 from . import convert
-from .paging import PageManager
+from .paging import HostResidentPager, PageManager
 
 __version__ = "0.1.0"
 __all__ = ["Adam", "Adam8bit", "Adam32bit", "AdamBase", "AdamW", "AdamW8bit", "AdamW32bit", "GlobalOptimManager", "PagedAdam",
-           "PagedAdam8bit", "PagedAdam32bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit", "PageManager",
+           "PagedAdam8bit", "PagedAdam32bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit", "PageManager", "HostResidentPager",
            "QuantizedOptimizer", "Lion", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit",
            "AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit",
            "SGD", "SGD8bit", "SGD32bit", "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adagrad", "Adagrad8bit", "Adagrad32bit",

@@ -127,6 +127,16 @@ def _prefetch_fake(t, to):
     return None
 
 
+@torch.library.register_fake("pagedopt::discard_")
+def _discard_fake(t, to):
+    return None
+
+
+@torch.library.register_fake("pagedopt::pinned_empty")
+def _pinned_empty_fake(size, dtype):
+    return torch.empty(size, dtype=dtype, device="cpu")
+
+
 @torch.library.register_fake("pagedopt::advise_preferred_location_")
 def _advise_fake(t, to):
     return None

@@ -213,6 +213,70 @@ int64_t residency(const at::Tensor& t) {
 #endif
 }
 
+void discard_(const at::Tensor& t, std::optional<c10::Device> to) {
+  const c10::DeviceIndex index = check_managed_tensor(t, "discard_");
+  const auto [ptr, bytes] = byte_span(t);
+  if (bytes == 0) return;
+  std::optional<c10::DeviceIndex> target;
+  const bool prefetch = to.has_value();
+  if (prefetch) target = resolve_target(t, to, "discard_");
+  c10::cuda::CUDAGuard guard(index);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(index).stream();
+#if CUDART_VERSION >= 12080
+  void* ptrs[1] = {ptr};
+  size_t sizes[1] = {bytes};
+  cudaError_t err;
+  if (prefetch) {
+    cudaMemLocation loc{};
+#if CUDART_VERSION >= 13000
+    loc = location_of(target);
+#else
+    loc.type = target.has_value() ? cudaMemLocationTypeDevice : cudaMemLocationTypeHost;
+    loc.id = target.has_value() ? static_cast<int>(*target) : 0;
+#endif
+    size_t first[1] = {0};
+    err = cudaMemDiscardAndPrefetchBatchAsync(ptrs, sizes, 1, &loc, first, 1, 0, stream);
+  } else {
+    err = cudaMemDiscardBatchAsync(ptrs, sizes, 1, 0, stream);
+  }
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    TORCH_CHECK(false, "discard_: ", prefetch ? "cudaMemDiscardAndPrefetchBatchAsync" : "cudaMemDiscardBatchAsync",
+                " of ", bytes, " bytes on cuda:", static_cast<int>(index), " failed: ", cudaGetErrorString(err));
+  }
+#else
+  (void)stream;
+  TORCH_CHECK(false, "discard_: this build's CUDA runtime (", CUDART_VERSION,
+              ") has no cudaMemDiscardBatchAsync (CUDA 12.8 or newer)");
+#endif
+}
+
+at::Tensor pinned_empty(c10::IntArrayRef size, at::ScalarType dtype) {
+  int64_t numel = 1;
+  for (const int64_t s : size) {
+    TORCH_CHECK(s >= 0, "pinned_empty: negative dimension in size ", size);
+    TORCH_CHECK(!c10::mul_overflows(numel, s, &numel), "pinned_empty: size ", size, " overflows int64");
+  }
+  const auto options = at::TensorOptions().dtype(dtype).device(c10::kCPU);
+  if (numel == 0) return at::empty(size, options);
+  int64_t nbytes = 0;
+  TORCH_CHECK(!c10::mul_overflows(numel, static_cast<int64_t>(c10::elementSize(dtype)), &nbytes),
+              "pinned_empty: size ", size, " of ", dtype, " overflows int64 bytes");
+  TORCH_CHECK(c10::cuda::device_count() > 0, "pinned_empty: page-locked memory needs a CUDA device");
+  void* ptr = nullptr;
+  const cudaError_t err = cudaHostAlloc(&ptr, static_cast<size_t>(nbytes), cudaHostAllocPortable);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    TORCH_CHECK(false, "pinned_empty: cudaHostAlloc of ", nbytes, " bytes failed: ", cudaGetErrorString(err));
+  }
+  try {
+    return at::from_blob(ptr, size, [](void* p) { C10_CUDA_CHECK_WARN(cudaFreeHost(p)); }, options);
+  } catch (...) {
+    (void)cudaFreeHost(ptr);
+    throw;
+  }
+}
+
 }  // namespace pagedopt::paging
 
 // No tensor arguments, so there is no dispatch key to find: CompositeExplicitAutograd serves
@@ -220,6 +284,7 @@ int64_t residency(const at::Tensor& t) {
 TORCH_LIBRARY_IMPL(pagedopt, CompositeExplicitAutograd, m) {
   m.impl("concurrent_managed_access", &pagedopt::paging::concurrent_managed_access);
   m.impl("managed_empty", &pagedopt::paging::managed_empty);
+  m.impl("pinned_empty", &pagedopt::paging::pinned_empty);
 }
 
 TORCH_LIBRARY_IMPL(pagedopt, CUDA, m) {
@@ -227,6 +292,7 @@ TORCH_LIBRARY_IMPL(pagedopt, CUDA, m) {
   m.impl("advise_preferred_location_", &pagedopt::paging::advise_preferred_location_);
   m.impl("is_managed", &pagedopt::paging::is_managed);
   m.impl("residency", &pagedopt::paging::residency);
+  m.impl("discard_", &pagedopt::paging::discard_);
 }
 
 // A CPU tensor is never managed memory; answering false (rather than "no kernel") lets callers

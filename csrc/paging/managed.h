@@ -12,6 +12,8 @@
 //   advise_preferred_location_(Tensor(a!) t, Device? to) -> () CUDA
 //   is_managed(Tensor t) -> bool                              CUDA, CPU (always false)
 //   residency(Tensor t) -> int                                CUDA
+//   discard_(Tensor(a!) t, Device? to) -> ()                  CUDA
+//   pinned_empty(int[] size, ScalarType dtype) -> Tensor      CompositeExplicitAutograd
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
@@ -57,5 +59,17 @@ bool is_managed(const at::Tensor& t);
 
 // Last explicit prefetch location of the bytes spanned by `t`, as a Residency value.
 int64_t residency(const at::Tensor& t);
+
+// On the current stream of t's device: cudaMemDiscardBatchAsync of the bytes spanned by `t`
+// (to = None) or cudaMemDiscardAndPrefetchBatchAsync to `to` (host, or t's own device: the pages
+// are populated there without moving the indeterminate contents). After a discard the bytes are
+// indeterminate until written; the paging code keeps their contents in a host copy first.
+// Raises where the runtime (before CUDA 12.8) or the driver does not offer discards.
+void discard_(const at::Tensor& t, std::optional<c10::Device> to);
+
+// A CPU tensor in page-locked memory of exactly its size (cudaHostAlloc; torch's pinned caching
+// allocator rounds every block up to a power of two), freed with cudaFreeHost when its storage
+// dies. Uninitialized. Zero elements: an ordinary empty CPU tensor.
+at::Tensor pinned_empty(c10::IntArrayRef size, at::ScalarType dtype);
 
 }  // namespace pagedopt::paging

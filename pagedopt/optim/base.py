@@ -295,9 +295,12 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                     for pi, p in enumerate(group["params"])}
         overrides = self._overrides(self.param_groups)
         members: dict[tuple, list[int]] = defaultdict(list)
+        streamed = getattr(self._pager, "streams_states", False)
         for i, p in enumerate(params):
             gi, pi = index_of[id(p)]
             override = overrides.get((gi, pi), {})
+            if streamed:
+                self._check_fits_device_buffer({**self.param_groups[gi], **override}, p, gi, pi)
             st = self._init_state({**self.param_groups[gi], **override}, p)
             stateful = self.algorithm.states[0].key in st
             eight_bit = stateful and st[self.algorithm.states[0].key].dtype == torch.uint8
@@ -314,12 +317,46 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             bucket_params = [params[i] for i in index]
             states = [state[p] for p in bucket_params]
             lists = tuple([s[k] for s in states] for k in self._bucket_keys(eight_bit, stateful))
-            held = self._hold_states(lists, states[0], eight_bit) if stateful else None
+            streamed = getattr(self._pager, "streams_states", False)  # host states: no held device lists
+            held = self._hold_states(lists, states[0], eight_bit) if stateful and not streamed else None
             buckets.append(_Bucket(gi, device, eight_bit, stateful, index, bucket_params, states, lists, held,
                                    dict(setting)))
         key = (id(state), state.version, self._plan_version, key[3])  # states may have been created
         self._plan = _StepPlan(key, buckets, steps_by_device, sharding.has_dtensor(params))
         return self._plan
+
+    def _check_fits_device_buffer(self, config: dict, p: torch.Tensor, gi: int, pi: int) -> None:
+        """Host-resident states stream a parameter's states in one piece: they must fit the device
+        buffer. Checked before the states are made, so a refused step changes nothing."""
+        state = self.state.get(p, {})
+        keys = self.algorithm.state_keys + self.algorithm.absmax_keys
+        if any(isinstance(state.get(k), torch.Tensor) for k in keys):
+            nbytes = sum(state[k].numel() * state[k].element_size() for k in keys if isinstance(state.get(k), torch.Tensor))
+        elif not self._needs_states(config):
+            return
+        else:
+            local = sharding.local(p)
+            eight_bit = self._uses_8bit(config, p)
+            blocks = (local.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
+            nbytes = 0
+            for spec in self.algorithm.states:
+                numel = 1
+                for n in spec.shape(local.shape):
+                    numel *= n
+                nbytes += numel * (1 if eight_bit else 4)
+                if eight_bit:
+                    absmax = 1
+                    for n in spec.absmax_shape(blocks):
+                        absmax *= n
+                    nbytes += 4 * absmax
+        # each state tensor's region is rounded up to the buffer's alignment (host_resident.REGION_ALIGN)
+        from ..paging.host_resident import REGION_ALIGN
+
+        needed = nbytes + REGION_ALIGN * 2 * len(self.algorithm.states)
+        if needed > self._pager.device_buffer_bytes:
+            raise ValueError(f"param_groups[{gi}]['params'][{pi}]: its states take {nbytes} bytes, more than the device "
+                             f"buffer of host-resident states holds ({self._pager.device_buffer_bytes} bytes); "
+                             f"set_pager(residency='host', device_buffer=...) with at least {needed} bytes")
 
     def _cached_plan(self, params: list[torch.Tensor]) -> Optional["_StepPlan"]:
         """The cached plan if it still fits these parameters, the groups and the state, else None."""
@@ -384,6 +421,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         """torch's state_dict, with every state tensor owning its storage (paged states are
         copied out of their shared slabs), so that ``torch.save`` writes it and
         ``torch.load(weights_only=True)`` reads it back."""
+        if self._pager is not None:
+            self._pager.settle()  # paged-out or host-resident states readable before they are copied
         sd = super().state_dict()
         sd["state"] = {k: checkpoint.portable_param_state(v) for k, v in sd["state"].items()}
         if sharding.dtensor_class() is not None:
@@ -422,18 +461,26 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict:
         """What a copy or a pickle holds: groups, defaults and state (each tensor owning its
         storage); the pager and the step plan are rebuilt by __setstate__."""
+        if self._pager is not None:
+            self._pager.settle()
         return {"defaults": self.defaults, "param_groups": self.param_groups, "is_paged": self.is_paged,
-                "budget_bytes": None if self._pager is None else self._pager.budget_bytes,
+                "budget_bytes": getattr(self._pager, "budget_bytes", None),
+                "device_buffer_bytes": getattr(self._pager, "device_buffer_bytes", None),
                 "state": {p: checkpoint.portable_param_state(s) for p, s in self.state.items()}}
 
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
         is_paged = state.pop("is_paged", False)
         budget_bytes = state.pop("budget_bytes", None)
+        device_buffer_bytes = state.pop("device_buffer_bytes", None)
         saved_state = state.pop("state", {})
         super().__setstate__(state)
         pager = None
-        if is_paged and budget_bytes is not None:  # a copy keeps the original's device budget
+        if is_paged and device_buffer_bytes is not None:  # a copy keeps host residency and its buffer
+            from ..paging import HostResidentPager
+
+            pager = HostResidentPager(device_buffer_bytes)
+        elif is_paged and budget_bytes is not None:  # a copy keeps the original's device budget
             from ..paging import PageManager
 
             pager = PageManager(budget_bytes, arena_bytes=_PAGED_SLAB_BYTES)
@@ -449,24 +496,45 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         self.state = table
 
     # ------------------------------------------------------------------ paging
-    def set_pager(self, pager=None, *, device_budget=None) -> None:
-        """Page this optimizer's states through ``pager`` (a ``pagedopt.PageManager``), or through a
-        new one that keeps at most ``device_budget`` paged bytes resident per GPU (an int, or a
-        string such as ``"4GiB"`` or ``"512MiB"``; see PageManager's ``budget_bytes`` for what it
-        does). Paged optimizers only, before their first step: states already made stay where
-        their pager put them, so changing it later raises a ValueError."""
-        from ..paging import PageManager
+    def set_pager(self, pager=None, *, device_budget=None, residency=None, device_buffer=None) -> None:
+        """Page this optimizer's states through ``pager`` (a ``pagedopt.PageManager`` or
+        ``pagedopt.HostResidentPager``), or through a new one:
+
+        * ``device_budget``: a PageManager that keeps at most that many paged bytes resident per
+          GPU (an int, or a string such as ``"4GiB"`` or ``"512MiB"``; see PageManager's
+          ``budget_bytes`` for what it does);
+        * ``residency="host"``: a HostResidentPager: states live in page-locked host memory and
+          stream through a device buffer of ``device_buffer`` bytes (default ``"256MiB"``) during
+          step(), which is all the GPU memory the states take; results are bit-identical to
+          resident states.
+
+        Paged optimizers only, before their first step: states already made stay where their
+        pager put them, so changing it later raises a ValueError."""
+        from ..paging import HostResidentPager, PageManager
 
         if not self.is_paged:
             raise ValueError(f"{type(self).__name__} is not a paged optimizer; use its Paged* class to page states")
         if any(len(s) for s in self.state.values()):
             raise ValueError("set_pager: this optimizer already holds states (set the pager before the first step "
                              "or load_state_dict)")
-        if (pager is None) == (device_budget is None):
-            raise ValueError("set_pager takes a PageManager or device_budget=..., exactly one of them")
-        if pager is not None and not isinstance(pager, PageManager):
-            raise ValueError(f"set_pager: pager must be a pagedopt.PageManager, got {type(pager).__name__}")
-        if pager is None:
+        if residency is not None and residency not in ("host", "device"):
+            raise ValueError(f"set_pager: residency must be 'host' or 'device', got {residency!r}")
+        if residency == "device":
+            residency = None
+        if device_buffer is not None and residency != "host":
+            raise ValueError("set_pager: device_buffer=... goes with residency='host'")
+        if sum(x is not None for x in (pager, device_budget, residency)) != 1:
+            raise ValueError("set_pager takes a pager, device_budget=... or residency='host', exactly one of them")
+        if pager is not None and not isinstance(pager, (PageManager, HostResidentPager)):
+            raise ValueError("set_pager: pager must be a pagedopt.PageManager or pagedopt.HostResidentPager, got "
+                             f"{type(pager).__name__}")
+        if residency == "host":
+            size = parse_bytes("256MiB" if device_buffer is None else device_buffer, "device_buffer")
+            try:
+                pager = HostResidentPager(size)
+            except ValueError as exc:
+                raise ValueError(f"set_pager: device_buffer={device_buffer!r}: {exc}") from None
+        elif pager is None:
             pager = PageManager(parse_bytes(device_budget, "device_budget"), arena_bytes=_PAGED_SLAB_BYTES)
         self._pager = pager
         self._plan = None

@@ -1,7 +1,9 @@
 """The pieces of one bucket's fused call: the whole bucket at once while its paged states are
 resident, else chunks of about ``chunk_bytes`` of state that the pager stages (paging in the next
-chunk while the current one is updated); non-contiguous parameters go through contiguous copies
-that are written back."""
+chunk while the current one is updated), or, for a pager that streams host-resident states
+(HostResidentPager), chunks whose state lists hold device views that the pager copies in before
+and back after each chunk's call; non-contiguous parameters go through contiguous copies that are
+written back."""
 from __future__ import annotations
 
 import torch
@@ -21,6 +23,10 @@ def write_back(params: list[torch.Tensor], work_params: list[torch.Tensor]) -> N
             p.copy_(w)
 
 
+def _state_bytes(state: dict, keys) -> int:
+    return sum(state[k].numel() * state[k].element_size() for k in keys if k in state)
+
+
 def _chunks(pager, keys, states: list[dict], chunk_bytes: int) -> list[list[int]]:
     """Positions in the bucket, in chunks: all at once unless paged states are not resident."""
     everything = [list(range(len(states)))]
@@ -28,8 +34,7 @@ def _chunks(pager, keys, states: list[dict], chunk_bytes: int) -> list[list[int]
         return everything
     from ..paging import split_by_bytes
 
-    return split_by_bytes(everything[0], lambda j: sum(states[j][k].numel() * states[j][k].element_size()
-                                                       for k in keys if k in states[j]), chunk_bytes)
+    return split_by_bytes(everything[0], lambda j: _state_bytes(states[j], keys), chunk_bytes)
 
 
 def _stages(pager, keys, states: list[dict], chunks: list[list[int]]):
@@ -43,6 +48,9 @@ def bucket_chunks(pager, keys, states: list[dict], lists: tuple, bucket_params: 
     """(params, work params, work grads, state lists) per chunk, in the order the chunks are to be
     updated. ``keys``: the state keys that take memory (what the pager stages); ``lists``: the
     bucket's state lists (one per key of the fused call)."""
+    if getattr(pager, "streams_states", False):
+        yield from _streamed_chunks(pager, keys, states, lists, bucket_params, grads, contiguous, chunk_bytes)
+        return
     chunks = _chunks(pager, keys, states, chunk_bytes)
     for i in _stages(pager, keys, states, chunks):
         chunk = chunks[i]
@@ -52,6 +60,29 @@ def bucket_chunks(pager, keys, states: list[dict], lists: tuple, bucket_params: 
             params = [bucket_params[j] for j in chunk]
             chunk_grads = [grads[j] for j in chunk]
             chunk_lists = tuple([lst[j] for j in chunk] for lst in lists)
+        if contiguous:
+            yield params, params, chunk_grads, chunk_lists
+        else:
+            work_params, work_grads = contiguous_views(params, chunk_grads)
+            yield params, work_params, work_grads, chunk_lists
+
+
+def _streamed_chunks(pager, keys, states: list[dict], lists: tuple, bucket_params: list[torch.Tensor],
+                     grads: list[torch.Tensor], contiguous: bool, chunk_bytes: int):
+    """bucket_chunks for a pager that streams host-resident states through a device buffer: each
+    chunk's state tensors are swapped for the device views that ``pager.stream`` hands out (their
+    contents are copied back after the chunk's call, when the caller asks for the next chunk)."""
+    from ..paging import split_by_bytes
+
+    chunk_bytes = min(chunk_bytes, max(pager.device_buffer_bytes // 3, 1))
+    chunks = split_by_bytes(list(range(len(states))), lambda j: _state_bytes(states[j], keys), chunk_bytes)
+    groups = [[states[j][k] for j in chunk for k in keys if k in states[j]] for chunk in chunks]
+    for i, views in pager.stream(bucket_params[0].device, groups):
+        chunk = chunks[i]
+        view_of = {id(t): v for t, v in zip(groups[i], views)}
+        params = [bucket_params[j] for j in chunk]
+        chunk_grads = [grads[j] for j in chunk]
+        chunk_lists = tuple([view_of.get(id(lst[j]), lst[j]) for j in chunk] for lst in lists)
         if contiguous:
             yield params, params, chunk_grads, chunk_lists
         else:

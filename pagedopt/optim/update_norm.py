@@ -67,6 +67,9 @@ class ScaledByUpdateNorm(QuantizedOptimizer):
         position = {id(t): j for j, t in enumerate(params)}  # a chunk's tensors -> their bucket positions
         chunks = self._bucket_chunks(bucket, params, grads, contiguous)
         if sharded:  # every chunk's squares first, then one reduction for the bucket
+            if getattr(self._pager, "streams_states", False):
+                raise ValueError(f"{type(self).__name__}: host-resident states (residency='host') are not supported "
+                                 "for DTensor (FSDP2) parameters, whose norms need every chunk before any update")
             chunks = list(chunks)
             squares = torch.zeros((len(params), 2), dtype=torch.float64, device=params[0].device)
             for chunk_params, work_params, work_grads, lists in chunks:

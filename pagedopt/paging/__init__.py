@@ -29,7 +29,9 @@ Modules (every name is re-exported here, so ``pagedopt.paging.X`` keeps working)
 * :mod:`.migration`: page-in/page-out (streams, events, driver prefetches, ``prefetch()``,
   ``page_out()``) and the budget's evictions, a base of PageManager;
 * :mod:`.staging`: the pipelined ``stage()`` schedule, a base of PageManager, and
-  :func:`split_by_bytes`.
+  :func:`split_by_bytes`;
+* :mod:`.host_resident`: :class:`HostResidentPager`, tensors in page-locked host memory that
+  stream through a fixed device buffer.
 
 Module state (``_warned``, ``_concurrent_cache``) lives in :mod:`.managed`; the names here are the
 same objects. To replace a function for the code that calls it, patch it in the module that
@@ -56,9 +58,10 @@ from .managed import (RESIDENCY_DEVICE, RESIDENCY_HOST, RESIDENCY_UNKNOWN, Devic
 from .manager import _PAGE, PageManager, PagingStats, _Arena, _Entry, _forget_cb  # noqa: F401
 from .migration import _MERGE_GAP, _CudaBackend  # noqa: F401
 from .staging import split_by_bytes  # noqa: F401
+from .host_resident import HostResidentPager  # noqa: F401
 
 __all__ = [
     "RESIDENCY_UNKNOWN", "RESIDENCY_DEVICE", "RESIDENCY_HOST", "PagingFallbackWarning", "PagingStats",
-    "PageManager", "paging_built", "paging_available", "paging_unavailable_reason", "warn_not_paged",
+    "PageManager", "HostResidentPager", "paging_built", "paging_available", "paging_unavailable_reason", "warn_not_paged",
     "managed_empty", "is_managed", "residency", "prefetch_", "advise_preferred_location_",
 ]

@@ -34,6 +34,13 @@ class PagingStats:
     paged_tensors: live paged tensors; unpaged_tensors / unpaged_bytes: live tensors that zeros()
         returned as ordinary memory (paging unavailable on their device).
     resident_bytes_by_device: {device index: resident bytes}.
+    host_copy_bytes: page-locked host memory held for the host copies of paged-out tensors
+        (PageManager(host_copies=True)); host_copied_bytes: paged bytes whose contents live in
+        such a copy now (their managed pages were discarded).
+    device_buffer_bytes: the device buffer that host-resident states stream through
+        (HostResidentPager; 0 for a PageManager).
+    transfer_ms_last_step: GPU time from the first to the last copy of the last step's streaming
+        (HostResidentPager), None while unknown (not finished, no CUDA, or a PageManager).
     """
 
     resident_bytes: int = 0
@@ -48,6 +55,10 @@ class PagingStats:
     budget_bytes: Optional[int] = None
     step: int = 0
     resident_bytes_by_device: dict = field(default_factory=dict)
+    host_copy_bytes: int = 0
+    host_copied_bytes: int = 0
+    device_buffer_bytes: int = 0
+    transfer_ms_last_step: Optional[float] = None
 
     def __getitem__(self, key: str):
         return getattr(self, key)
@@ -60,7 +71,7 @@ class _Entry:
     """Bookkeeping for one registered tensor (held by weakref only)."""
 
     __slots__ = ("ref", "key", "paged", "device", "nbytes", "storage_key", "start", "ordinal", "state",
-                 "last_step", "last_seq")
+                 "last_step", "last_seq", "host_copied")
 
     def __init__(self, ref, key, paged, device, nbytes, storage_key, start, ordinal, state):
         self.ref = ref
@@ -74,6 +85,7 @@ class _Entry:
         self.state = state
         self.last_step = -1
         self.last_seq = -1
+        self.host_copied = False  # paged out into the manager's host copy; the managed bytes were discarded
 
 
 class _Arena:
@@ -126,11 +138,21 @@ class PageManager(_MigrationMixin, _StagingMixin):
             are paged with one driver call instead of one per tensor. A slab is freed when its
             last tensor dies. Caveat: torch.save of such a tensor saves its whole slab.
         prefetch_depth: how many chunks stage() prefetches ahead of the one being launched.
+        host_copies: True (default): a page-out copies the bytes with the copy engine into a
+            page-locked host copy (one per managed allocation, kept for the next page-out) and
+            then discards the managed pages, so the driver may drop them without migrating them
+            (cudaMemDiscardBatchAsync); the next page-in repopulates them on the GPU and copies the
+            bytes back. Measured on an H200: 52 GB/s out, against the driver's 11 GB/s migration.
+            Costs host memory equal to the bytes paged out. False, or a driver without discards:
+            page-outs are the driver's migration (cudaMemPrefetchAsync to the host).
+            While tensors are paged out this way their managed bytes are indeterminate: read
+            them after ``settle()`` (state_dict(), copies and steps of pagedopt's optimizers do).
     """
 
     _cuda = _CudaBackend
 
-    def __init__(self, budget_bytes: Optional[int] = None, *, arena_bytes: int = 0, prefetch_depth: int = 2):
+    def __init__(self, budget_bytes: Optional[int] = None, *, arena_bytes: int = 0, prefetch_depth: int = 2,
+                 host_copies: bool = True):
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
             raise ValueError(f"budget_bytes must be None or an int >= 0, got {budget_bytes!r}")
         if not isinstance(arena_bytes, int) or arena_bytes < 0:
@@ -140,6 +162,12 @@ class PageManager(_MigrationMixin, _StagingMixin):
         self.budget_bytes = budget_bytes
         self.arena_bytes = arena_bytes
         self.prefetch_depth = prefetch_depth
+        if not isinstance(host_copies, bool):
+            raise ValueError(f"host_copies must be True or False, got {host_copies!r}")
+        self.host_copies = host_copies
+        self._host_copy: dict[int, torch.Tensor] = {}  # storage data_ptr -> page-locked copy of the storage
+        self._host_copy_bytes = 0
+        self._host_copied_bytes = 0
         self._self_ref = weakref.ref(self)
         self._warned: set[str] = set()  # devices this manager warned about (fallback)
         self._entries: dict[int, _Entry] = {}  # id(tensor) -> entry
@@ -172,11 +200,11 @@ class PageManager(_MigrationMixin, _StagingMixin):
         """Pickling/deepcopy keep the configuration only: the copy tracks no tensor (copies of
         managed tensors made by torch are ordinary memory anyway)."""
         return {"budget_bytes": self.budget_bytes, "arena_bytes": self.arena_bytes,
-                "prefetch_depth": self.prefetch_depth}
+                "prefetch_depth": self.prefetch_depth, "host_copies": self.host_copies}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["budget_bytes"], arena_bytes=state["arena_bytes"],
-                      prefetch_depth=state["prefetch_depth"])
+                      prefetch_depth=state["prefetch_depth"], host_copies=state.get("host_copies", True))
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -238,6 +266,7 @@ class PageManager(_MigrationMixin, _StagingMixin):
             return
         self._paged_count -= 1
         self._count(e, e.state, -1)
+        self._set_host_copied(e, False)
         lst = self._by_storage.get(e.storage_key)
         if lst is not None:
             try:
@@ -246,6 +275,14 @@ class PageManager(_MigrationMixin, _StagingMixin):
                 pass
             if not lst:
                 del self._by_storage[e.storage_key]
+                copy = self._host_copy.pop(e.storage_key, None)  # the storage is gone: so is its host copy
+                if copy is not None:
+                    self._host_copy_bytes -= copy.numel()
+
+    def _set_host_copied(self, e: _Entry, value: bool) -> None:
+        if e.host_copied != value:
+            e.host_copied = value
+            self._host_copied_bytes += e.nbytes if value else -e.nbytes
 
     def register(self, t: torch.Tensor) -> bool:
         """Adopt a managed tensor allocated elsewhere (residency unknown until moved). Returns
@@ -367,6 +404,15 @@ class PageManager(_MigrationMixin, _StagingMixin):
                 out.append(t)
         return out
 
+    def settle(self, tensors: Optional[Iterable[torch.Tensor]] = None) -> int:
+        """Make the contents of ``tensors`` (default: every paged tensor) readable by any torch op:
+        those whose bytes live in the host copy (paged out with host_copies=True) are paged in on
+        the current stream (ordered before later work there). Returns the bytes paged in."""
+        if self._host_copied_bytes == 0:
+            return 0
+        return self.prefetch([t for t in (self.tensors() if tensors is None else tensors)
+                              if any(e.host_copied for e in self._paged_entries_for([t]))])
+
     def all_resident(self) -> bool:
         """True when stage() has nothing to do: every paged tensor is believed resident, within
         the budget, with no non_blocking prefetch in flight. Then ``stage(groups)`` is exactly
@@ -381,7 +427,8 @@ class PageManager(_MigrationMixin, _StagingMixin):
             page_in_bytes_last_step=self._moved_in, page_out_bytes_last_step=self._moved_out,
             paged_tensors=self._paged_count, unpaged_tensors=self._unpaged_count,
             unpaged_bytes=self._unpaged_bytes, budget_bytes=self.budget_bytes, step=self._step,
-            resident_bytes_by_device={d: b for d, b in self._resident.items() if b})
+            resident_bytes_by_device={d: b for d, b in self._resident.items() if b},
+            host_copy_bytes=self._host_copy_bytes, host_copied_bytes=self._host_copied_bytes)
 
     # ------------------------------------------------------------------ steps
     def begin_step(self) -> None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Optional
 
+import warnings
+
 import torch
 
-from .managed import RESIDENCY_DEVICE, RESIDENCY_HOST, DeviceLike, _as_device
+from .managed import RESIDENCY_DEVICE, RESIDENCY_HOST, DeviceLike, PagingFallbackWarning, _as_device
 
 if TYPE_CHECKING:
     from .manager import _Entry
@@ -46,6 +48,20 @@ class _CudaBackend:
     def prefetch(t: torch.Tensor, to: Optional[torch.device]) -> None:
         torch.ops.pagedopt.prefetch_(t, to)
 
+    @staticmethod
+    def discard(t: torch.Tensor, to: Optional[torch.device]) -> None:
+        """Discard t's managed bytes (to=None), or discard them and populate the pages at ``to``."""
+        torch.ops.pagedopt.discard_(t, to)
+
+    @staticmethod
+    def pinned_empty(nbytes: int) -> torch.Tensor:
+        return torch.ops.pagedopt.pinned_empty([nbytes], torch.uint8)
+
+
+def _byte_view(anchor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
+    """The bytes [start, start + nbytes) of anchor's storage as a flat uint8 tensor."""
+    return torch.empty(0, dtype=torch.uint8, device=anchor.device).set_(anchor.untyped_storage(), start, (nbytes,))
+
 
 class _MigrationMixin:
     """PageManager's streams, moves and budget (see PageManager for the attributes they use)."""
@@ -71,8 +87,10 @@ class _MigrationMixin:
             self._pagein_events.clear()
 
     def _issue(self, entries: list[_Entry], to_host: bool) -> int:
-        """Prefetch the entries (all on one device) on the *current* stream, merging runs of
-        consecutive arena tensors into one call. Updates beliefs and traffic; returns bytes."""
+        """Move the entries (all on one device) on the *current* stream, merging runs of
+        consecutive arena tensors into one call: a driver prefetch, or with host copies a
+        copy-engine copy to/from the host copy plus a discard (see PageManager's host_copies).
+        Updates beliefs and traffic; returns bytes."""
         if not entries:
             return 0
         entries = sorted(entries, key=lambda e: (e.storage_key, e.start))
@@ -85,7 +103,8 @@ class _MigrationMixin:
             end = first.start + first.nbytes
             if first.ordinal is not None:
                 while (j < n and entries[j].storage_key == first.storage_key and entries[j].ordinal is not None
-                       and entries[j].ordinal == entries[j - 1].ordinal + 1 and entries[j].start - end <= _MERGE_GAP):
+                       and entries[j].ordinal == entries[j - 1].ordinal + 1 and entries[j].start - end <= _MERGE_GAP
+                       and entries[j].host_copied == first.host_copied):
                     end = entries[j].start + entries[j].nbytes
                     j += 1
             run = entries[i:j]
@@ -95,21 +114,69 @@ class _MigrationMixin:
                 if anchor is not None:
                     break
             if anchor is not None:
-                if j - i == 1:
-                    view = anchor
+                if to_host and self.host_copies:
+                    copied = self._copy_out(anchor, first.storage_key, first.start, end - first.start)
+                elif not to_host and first.host_copied:
+                    self._copy_in(anchor, first.storage_key, first.start, end - first.start, target)
+                    copied = False
                 else:
-                    view = torch.empty(0, dtype=torch.uint8, device=anchor.device).set_(
-                        anchor.untyped_storage(), first.start, (end - first.start,))
-                self._cuda.prefetch(view, target)
+                    view = anchor if j - i == 1 else _byte_view(anchor, first.start, end - first.start)
+                    self._cuda.prefetch(view, target)
+                    copied = False
                 moved += end - first.start
                 for e in run:
                     self._set_state(e, RESIDENCY_HOST if to_host else RESIDENCY_DEVICE)
+                    self._set_host_copied(e, copied)
             i = j
         if to_host:
             self._moved_out += moved
         else:
             self._moved_in += moved
         return moved
+
+    def _host_copy_of(self, anchor: torch.Tensor, storage_key: int) -> Optional[torch.Tensor]:
+        """The page-locked host copy of anchor's storage, allocated at its first page-out."""
+        copy = self._host_copy.get(storage_key)
+        if copy is None:
+            nbytes = anchor.untyped_storage().nbytes()
+            try:
+                copy = self._cuda.pinned_empty(nbytes)
+            except RuntimeError as exc:  # page-locked memory exhausted: this storage migrates instead
+                self._warn_no_host_copy(f"page-locked host memory of {nbytes} bytes could not be allocated ({exc})")
+                return None
+            self._host_copy[storage_key] = copy
+            self._host_copy_bytes += nbytes
+        return copy
+
+    def _warn_no_host_copy(self, why: str) -> None:
+        if "host_copies" not in self._warned:
+            self._warned.add("host_copies")
+            warnings.warn(f"paged-out states go through the driver's migration instead of a host copy: {why}",
+                          PagingFallbackWarning, stacklevel=4)
+
+    def _copy_out(self, anchor: torch.Tensor, storage_key: int, start: int, nbytes: int) -> bool:
+        """Copy bytes [start, start + nbytes) of the storage into its host copy, then discard them.
+        False when it fell back to the driver's migration (no host copy, or no discard)."""
+        view = _byte_view(anchor, start, nbytes)
+        copy = self._host_copy_of(anchor, storage_key)
+        if copy is None:
+            self._cuda.prefetch(view, None)
+            return False
+        copy[start:start + nbytes].copy_(view, non_blocking=True)
+        try:
+            self._cuda.discard(view, None)
+        except RuntimeError as exc:  # the runtime or driver offers no discards: migrate from now on
+            self.host_copies = False
+            self._warn_no_host_copy(str(exc).splitlines()[0])
+            self._cuda.prefetch(view, None)  # the bytes are intact: the copy only read them
+            return False
+        return True
+
+    def _copy_in(self, anchor: torch.Tensor, storage_key: int, start: int, nbytes: int, target) -> None:
+        """Populate the discarded pages on the GPU and copy the bytes back from the host copy."""
+        view = _byte_view(anchor, start, nbytes)
+        self._cuda.discard(view, target)
+        view.copy_(self._host_copy[storage_key][start:start + nbytes], non_blocking=True)
 
     @staticmethod
     def _by_device(entries: Iterable[_Entry]) -> dict[int, list[_Entry]]:

@@ -1,0 +1,328 @@
+"""Host-resident tensors streamed through a fixed device buffer: :class:`HostResidentPager`.
+
+The tensors it makes live in page-locked host memory between steps. ``stream(device, groups)``
+runs one pass over them: group i is copied into a region of the device buffer (host to device, on
+a stream of its own), the caller's work on group i runs on the current stream, then the region is
+copied back (device to host, on a third stream), so that the copy in of group i+1, the work on
+group i and the copy back of group i-1 overlap. A region is reused only after its copy back has
+finished (stream waits on events; the host never waits). The buffer is the only device memory it
+ever holds: ``device_buffer_bytes`` per device, allocated at the first pass.
+
+On a CPU device the same schedule runs with plain copies (no streams), so the logic is testable
+anywhere. The pager knows nothing of optimizers: it moves tensors and gives back device views.
+
+Part of :mod:`pagedopt.paging`, which re-exports :class:`HostResidentPager`.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Iterable, Iterator, Optional, Sequence
+
+import torch
+
+from .manager import PagingStats
+from .managed import DeviceLike, _as_device, paging_built
+from .migration import _CudaBackend
+
+# Regions in the device buffer start at multiples of this many bytes (the kernels' widest vector
+# loads are 16 bytes; 256 also keeps every view as aligned as a fresh allocation).
+REGION_ALIGN = 256
+DEFAULT_DEVICE_BUFFER = 256 << 20
+
+
+def _aligned(n: int) -> int:
+    return (n + REGION_ALIGN - 1) // REGION_ALIGN * REGION_ALIGN
+
+
+class _NoStream:
+    """A stream or event on the CPU, where every copy has finished when it returns."""
+
+    def wait_event(self, ev) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostBackend:
+    """The stream calls of a pass over CPU tensors: none is needed."""
+
+    @staticmethod
+    def new_stream(d):
+        return _NoStream()
+
+    @staticmethod
+    def new_event():
+        return _NoStream()
+
+    @staticmethod
+    def current_stream(d):
+        return _NoStream()
+
+    @staticmethod
+    def use_stream(s):
+        return contextlib.nullcontext()
+
+
+class _TimedCudaBackend(_CudaBackend):
+    @staticmethod
+    def new_timing_event():
+        return torch.cuda.Event(enable_timing=True)
+
+
+class _Region:
+    __slots__ = ("start", "end", "offsets", "copied_back")
+
+    def __init__(self, start: int, end: int, offsets: list[int]):
+        self.start, self.end, self.offsets = start, end, offsets
+        self.copied_back = None  # event after the copy back, once issued
+
+
+class HostResidentPager:
+    """Tensors in page-locked host memory that visit the GPU only inside ``stream()``.
+
+    Args:
+        device_buffer_bytes: the device buffer per device that every pass streams through
+            (default 256 MiB): the most device memory the pager holds at any time. A group must
+            fit in it; groups of at most a third of it let three copies overlap.
+        prefetch_depth: how many groups ahead of the current one are copied in (as far as the
+            buffer has room).
+
+    ``zeros()`` makes the tensors (CPU tensors, page-locked where CUDA is available);
+    ``stream()`` is the pass; ``synchronize()`` waits for the last pass's copies back (after it,
+    the host tensors hold the pass's results and may be read on the host); ``stats()`` reports.
+    """
+
+    streams_states = True  # optimizers hand their states to stream() instead of stage()
+
+    def __init__(self, device_buffer_bytes: int = DEFAULT_DEVICE_BUFFER, *, prefetch_depth: int = 2):
+        if not isinstance(device_buffer_bytes, int) or isinstance(device_buffer_bytes, bool) \
+                or device_buffer_bytes < REGION_ALIGN:
+            raise ValueError(f"device_buffer_bytes must be an int >= {REGION_ALIGN}, got {device_buffer_bytes!r}")
+        if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
+        self.device_buffer_bytes = device_buffer_bytes
+        self.prefetch_depth = prefetch_depth
+        self._tensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> host tensor
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._streams: dict[torch.device, tuple] = {}  # device -> (copy-in stream, copy-back stream)
+        self._last_copy_back: dict[torch.device, object] = {}
+        self._step = 0
+        self._moved_in = 0
+        self._moved_out = 0
+        self._timing: Optional[tuple] = None  # (first event, last event) of the last step's copies
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict:
+        """Copies keep the configuration only (like PageManager)."""
+        return {"device_buffer_bytes": self.device_buffer_bytes, "prefetch_depth": self.prefetch_depth}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["device_buffer_bytes"], prefetch_depth=state["prefetch_depth"])
+
+    def __repr__(self) -> str:
+        return (f"HostResidentPager(device_buffer_bytes={self.device_buffer_bytes}, "
+                f"tensors={len(self._tensors)}, host_bytes={self._host_bytes()})")
+
+    # ------------------------------------------------------------------ tensors
+    @staticmethod
+    def _pinned_available() -> bool:
+        return paging_built() and torch.cuda.is_available()
+
+    def zeros(self, shape: Sequence[int], dtype: torch.dtype, device: DeviceLike) -> torch.Tensor:
+        """A zero-filled host tensor for work on ``device`` (page-locked when CUDA is available)."""
+        if isinstance(shape, int):
+            shape = (shape,)
+        shape = [int(s) for s in shape]
+        _as_device(device)  # a bad device name raises here, as torch.zeros would
+        if self._pinned_available():
+            t = torch.ops.pagedopt.pinned_empty(shape, dtype)
+            t.zero_()
+        else:
+            t = torch.zeros(shape, dtype=dtype)
+        if t.numel():
+            self._tensors[id(t)] = t
+        return t
+
+    def _host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in list(self._tensors.values()))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._tensors.values())
+
+    # ------------------------------------------------------------------ the PageManager calls an optimizer makes
+    def begin_step(self) -> None:
+        self._step += 1
+        self._moved_in = 0
+        self._moved_out = 0
+        self._timing = None
+
+    def all_resident(self) -> bool:
+        """Never: the tensors live on the host (an optimizer then takes its streamed path)."""
+        return False
+
+    def page_out(self, tensors=None, **kwargs) -> int:
+        """Nothing to do: the tensors are on the host whenever no pass runs."""
+        return 0
+
+    def prefetch(self, tensors=None, device=None, **kwargs) -> int:
+        """Nothing to do: a pass copies in what it needs."""
+        return 0
+
+    def settle(self, tensors: Optional[Iterable[torch.Tensor]] = None) -> int:
+        """Make the host tensors readable: wait for the last pass's copies back."""
+        self.synchronize()
+        return 0
+
+    def synchronize(self) -> None:
+        for ev in list(self._last_copy_back.values()):
+            ev.synchronize()
+
+    def stats(self) -> PagingStats:
+        host = self._host_bytes()
+        return PagingStats(resident_bytes=0, host_bytes=host, bytes_moved_last_step=self._moved_in + self._moved_out,
+                           page_in_bytes_last_step=self._moved_in, page_out_bytes_last_step=self._moved_out,
+                           paged_tensors=len(self._tensors), step=self._step,
+                           device_buffer_bytes=sum(b.numel() for b in self._buffers.values()),
+                           transfer_ms_last_step=self._transfer_ms())
+
+    def _transfer_ms(self) -> Optional[float]:
+        if self._timing is None or self._timing[1] is None:
+            return None
+        first, last = self._timing
+        if not (first.query() and last.query()):
+            return None
+        return float(first.elapsed_time(last))
+
+    # ------------------------------------------------------------------ the pass
+    def _backend(self, device: torch.device):
+        return _TimedCudaBackend if device.type == "cuda" else _HostBackend
+
+    def _buffer(self, device: torch.device) -> torch.Tensor:
+        buf = self._buffers.get(device)
+        if buf is None:
+            buf = self._buffers[device] = torch.empty(self.device_buffer_bytes, dtype=torch.uint8, device=device)
+        return buf
+
+    def _streams_of(self, device: torch.device, be) -> tuple:
+        """(copy-in, copy-back) streams of ``device``; the buffer is freed only after their work."""
+        if device not in self._streams:
+            streams = (be.new_stream(device.index), be.new_stream(device.index))
+            if device.type == "cuda":
+                for s in streams:
+                    self._buffers[device].record_stream(s)
+            self._streams[device] = streams
+        return self._streams[device]
+
+    def _layout(self, group: list[torch.Tensor], where: str) -> tuple[list[int], int]:
+        offsets, size = [], 0
+        for t in group:
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"{where}: HostResidentPager streams contiguous host tensors, got a "
+                                 f"{'non-contiguous ' if not t.is_contiguous() else ''}{t.device} tensor")
+            offsets.append(size)
+            size += _aligned(t.numel() * t.element_size())
+        if size > self.device_buffer_bytes:
+            raise ValueError(f"{where} needs {size} bytes of device buffer, more than device_buffer_bytes="
+                             f"{self.device_buffer_bytes}; raise the device buffer or split the group")
+        return offsets, size
+
+    def stream(self, device: DeviceLike, groups: Sequence[Sequence[torch.Tensor]]) -> Iterator[tuple[int, list]]:
+        """The pass: ``for i, views in pager.stream(device, groups): work on views`` (on the current
+        stream). ``views[j]`` is a device tensor holding ``groups[i][j]``; whatever the work leaves
+        in it is copied back into ``groups[i][j]`` after the work queued before the next iteration
+        (or the end of the loop). Views are valid only until then. Every group is checked
+        (host, contiguous, fits the buffer) before anything moves. Nothing is copied back for a
+        group whose iteration raised, and none of the later groups is touched."""
+        device = _as_device(device)
+        groups = [list(g) for g in groups]
+        layouts = [self._layout(g, f"stream group {i}") for i, g in enumerate(groups)]
+        return self._pass(device, groups, layouts)
+
+    def _pass(self, device, groups, layouts) -> Iterator[tuple[int, list]]:
+        be = self._backend(device)
+        buf = self._buffer(device)
+        copy_in, copy_back = self._streams_of(device, be)
+        current = be.current_stream(device.index)
+        previous = self._last_copy_back.get(device)
+        if previous is not None:
+            copy_in.wait_event(previous)  # last pass's results are on the host before they are read
+        timed = device.type == "cuda"
+        if timed and self._timing is None:  # the step's first pass opens its transfer time
+            first = be.new_timing_event()
+            first.record(copy_in)
+            self._timing = (first, None)
+        n = len(groups)
+        regions: list[Optional[_Region]] = [None] * n
+        ready: list = [None] * n
+        live: list[_Region] = []  # copied in, copy back not yet issued
+        returning: list[_Region] = []  # copy back issued, maybe not finished
+        head = 0
+        def place(size: int) -> Optional[tuple[int, int]]:
+            start = head if head + size <= len(buf) else 0
+            end = start + size
+            if any(r.start < end and start < r.end for r in live):
+                return None  # would overwrite a group still being worked on: wait for a later iteration
+            return start, end
+
+        def copy_in_group(k: int) -> bool:
+            nonlocal head
+            offsets, size = layouts[k]
+            spot = place(size)
+            if spot is None:
+                return False
+            start, end = spot
+            region = _Region(start, end, offsets)
+            for r in list(returning):
+                if r.start < end and start < r.end:
+                    copy_in.wait_event(r.copied_back)
+                    returning.remove(r)
+            with be.use_stream(copy_in):
+                for t, off in zip(groups[k], offsets):
+                    self._view(buf, start + off, t).copy_(t, non_blocking=True)
+                    self._moved_in += t.numel() * t.element_size()
+            ev = be.new_event()
+            ev.record(copy_in)
+            regions[k], ready[k] = region, ev
+            live.append(region)
+            head = end
+            return True
+
+        issued = 0
+        for i in range(n):
+            while issued < n and issued <= i + self.prefetch_depth and copy_in_group(issued):
+                issued += 1
+            if issued <= i:  # cannot happen: with every earlier group returning, group i fits
+                raise AssertionError(f"HostResidentPager: group {i} found no room in the device buffer")
+            current.wait_event(ready[i])
+            region = regions[i]
+            views = [self._view(buf, region.start + off, t) for t, off in zip(groups[i], region.offsets)]
+            yield i, views
+            done = be.new_event()
+            done.record(current)
+            copy_back.wait_event(done)
+            with be.use_stream(copy_back):
+                for t, v in zip(groups[i], views):
+                    t.copy_(v, non_blocking=True)
+                    self._moved_out += t.numel() * t.element_size()
+            last = region.copied_back = be.new_event()
+            last.record(copy_back)
+            self._last_copy_back[device] = last  # the next pass (and settle) wait for it, even if this one stops here
+            live.remove(region)
+            returning.append(region)
+            if timed:
+                end_ev = be.new_timing_event()
+                end_ev.record(copy_back)
+                self._timing = (self._timing[0], end_ev)
+
+    @staticmethod
+    def _view(buf: torch.Tensor, start: int, like: torch.Tensor) -> torch.Tensor:
+        nbytes = like.numel() * like.element_size()
+        return buf[start:start + nbytes].view(like.dtype).view(like.shape)
