@@ -14,6 +14,11 @@ idle before each run; GB = 1e9 bytes):
   uvm_page_out_first                 the very first page-out (host pages not yet allocated)
   arena_*                            the same with PageManager(arena_bytes=64 MiB): one driver
                                      call per run of consecutive tensors instead of one per tensor
+  copy_*                             PageManager(arena_bytes=64 MiB, host_copies=True), what the
+                                     paged optimizers use: page-out = copy-engine copy into a
+                                     page-locked host copy + discard, page-in = discard-and-
+                                     populate on the GPU + copy back (copy_page_out_first includes
+                                     allocating the host copies)
   resident_rw                        t.add_(1) over every tensor, all resident (HBM)
   fault_rw                           the same right after a full page-out, no prefetch (faults)
   uvm_roundtrip                      prefetch + add_(1) + page_out, i.e. a paged step's traffic
@@ -152,10 +157,11 @@ def bench_pinned(layout, device, warmup, repeat) -> dict:
     return out
 
 
-def bench_managed(layout, device, warmup, repeat, arena_bytes: int, prefix: str, extras: bool) -> dict:
+def bench_managed(layout, device, warmup, repeat, arena_bytes: int, prefix: str, extras: bool,
+                  host_copies: bool = False) -> dict:
     from pagedopt.paging import PageManager, advise_preferred_location_
 
-    m = PageManager(arena_bytes=arena_bytes)
+    m = PageManager(arena_bytes=arena_bytes, host_copies=host_copies)
     ts = [m.zeros((n,), d, device) for n, d in layout]
     total = sum(t.numel() * t.element_size() for t in ts)
     chunks = chunks_of(ts)
@@ -319,6 +325,7 @@ def main(argv=None) -> int:
     results.update(bench_managed(layout, device, warmup, repeat, 0, "uvm", not args.no_extras))
     if not args.no_arena:
         results.update(bench_managed(layout, device, warmup, repeat, 64 * MiB, "arena", False))
+    results.update(bench_managed(layout, device, warmup, repeat, 64 * MiB, "copy", False, host_copies=True))
     doc["results"] = results
     doc["summary_gbps"] = {k: v.get("gbps") for k, v in results.items() if isinstance(v, dict) and "gbps" in v}
     print_table(results)

@@ -110,10 +110,13 @@ class Mode:
     note: str = ""
 
 
-def _pagedopt(cls: str):
+def _pagedopt(cls: str, residency: Optional[str] = None):
     def make(params, device):
         import pagedopt
-        return getattr(pagedopt, cls)(params, **HYPER)
+        opt = getattr(pagedopt, cls)(params, **HYPER)
+        if residency is not None:
+            opt.set_pager(residency=residency)  # the default device buffer (256 MiB)
+        return opt
     return make
 
 
@@ -138,13 +141,16 @@ MODES = [
     Mode("pagedopt_adamw8bit", _pagedopt("AdamW8bit")),
     Mode("pagedopt_paged_adamw8bit", _pagedopt("PagedAdamW8bit"), note="paged, resident"),
     Mode("pagedopt_paged_adamw8bit_pageout", _pagedopt("PagedAdamW8bit"), page_out=True,
-         note="page_out() after every step"),
+         note="page_out() after every step (copy engine into host copies)"),
+    Mode("pagedopt_paged_adamw8bit_host", _pagedopt("PagedAdamW8bit", "host"),
+         note="residency='host': states on the host, streamed through a 256 MiB device buffer"),
     Mode("bnb_adamw8bit", _bnb("AdamW8bit"), cuda_only=True),
     Mode("bnb_paged_adamw8bit", _bnb("PagedAdamW8bit"), cuda_only=True, note="paged, resident"),
     Mode("torchao_cpu_offload", _torchao_offload, cuda_only=True,
          note="CPUOffloadOptimizer(AdamW, fused=True): AdamW on the CPU, states on the host"),
 ]
-SMOKE_MODES = ("torch_adamw_fused", "pagedopt_adamw8bit", "pagedopt_paged_adamw8bit_pageout")
+SMOKE_MODES = ("torch_adamw_fused", "pagedopt_adamw8bit", "pagedopt_paged_adamw8bit_pageout",
+               "pagedopt_paged_adamw8bit_host")
 
 
 # --------------------------------------------------------------------------- one mode (child)

@@ -170,7 +170,8 @@ def test_bench_train_smoke(tmp_path):
     with open(tmp_path / "train.json") as f:
         doc = json.load(f)
     recs = {r["mode"]: r for r in doc["records"]}
-    assert set(recs) == {"torch_adamw_fused", "pagedopt_adamw8bit", "pagedopt_paged_adamw8bit_pageout"}
+    assert set(recs) == {"torch_adamw_fused", "pagedopt_adamw8bit", "pagedopt_paged_adamw8bit_pageout",
+                         "pagedopt_paged_adamw8bit_host"}
     for r in recs.values():
         assert "skipped" not in r, r
         assert _positive(r["step_ms"]) and len(r["step_ms_all"]) == 2
@@ -182,5 +183,7 @@ def test_bench_train_smoke(tmp_path):
     assert recs["pagedopt_adamw8bit"]["losses"][2] != recs["pagedopt_adamw8bit"]["losses"][0]
     # page_out() after every step never changes the math: the paged mode's losses are the resident 8-bit ones
     assert recs["pagedopt_paged_adamw8bit_pageout"]["losses"] == recs["pagedopt_adamw8bit"]["losses"]
+    # nor does streaming host-resident states through the device buffer
+    assert recs["pagedopt_paged_adamw8bit_host"]["losses"] == recs["pagedopt_adamw8bit"]["losses"]
     if _has_matplotlib():
         assert (tmp_path / "train.png").stat().st_size > 0

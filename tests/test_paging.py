@@ -165,6 +165,7 @@ class _FakeCuda:
 
 
 def _fake_manager(**kw):
+    kw.setdefault("host_copies", False)  # the driver-migration path; tests/test_host_copies.py covers the copies
     m = PageManager(**kw)
     m._cuda = _FakeCuda()
     return m

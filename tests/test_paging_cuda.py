@@ -72,7 +72,7 @@ def test_cuda_ops_reject_unmanaged_tensors():
 @pytest.mark.cuda
 def test_cuda_residency_follows_page_out_and_prefetch():
     _require_paging()
-    m = PageManager()
+    m = PageManager(host_copies=False)  # the driver's migration, whose residency the driver reports
     ts = [m.zeros((1 << 20,), torch.uint8, "cuda") for _ in range(4)]  # 4 MiB in all
     ts[0].fill_(7)
     assert all(m.is_paged(t) and paging.is_managed(t) for t in ts)
@@ -102,10 +102,11 @@ def test_cuda_residency_follows_page_out_and_prefetch():
 @pytest.mark.parametrize("depth", [0, 2])
 @pytest.mark.parametrize("arena", [0, 4 * MiB])
 @pytest.mark.parametrize("budget", [None, 3 * MiB])
-def test_cuda_stage_gives_correct_results_after_page_out(depth, arena, budget):
+@pytest.mark.parametrize("host_copies", [True, False])
+def test_cuda_stage_gives_correct_results_after_page_out(depth, arena, budget, host_copies):
     _require_paging()
     torch.manual_seed(0)
-    m = PageManager(budget, arena_bytes=arena, prefetch_depth=depth)
+    m = PageManager(budget, arena_bytes=arena, prefetch_depth=depth, host_copies=host_copies)
     shapes = [(1000, 257), (4096,), (3, 5, 7), (2048, 300), (1,), (123_457,), (700, 700)]
     states = [m.zeros(s, torch.float32, "cuda") for s in shapes]  # about 8 MiB
     refs = [torch.randn(s) for s in shapes]

@@ -519,11 +519,10 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                              "or load_state_dict)")
         if residency is not None and residency not in ("host", "device"):
             raise ValueError(f"set_pager: residency must be 'host' or 'device', got {residency!r}")
-        if residency == "device":
-            residency = None
         if device_buffer is not None and residency != "host":
             raise ValueError("set_pager: device_buffer=... goes with residency='host'")
-        if sum(x is not None for x in (pager, device_budget, residency)) != 1:
+        chosen = sum(x is not None for x in (pager, device_budget)) + (residency == "host")
+        if chosen != 1 and not (residency == "device" and chosen == 0):
             raise ValueError("set_pager takes a pager, device_budget=... or residency='host', exactly one of them")
         if pager is not None and not isinstance(pager, (PageManager, HostResidentPager)):
             raise ValueError("set_pager: pager must be a pagedopt.PageManager or pagedopt.HostResidentPager, got "
@@ -534,8 +533,9 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                 pager = HostResidentPager(size)
             except ValueError as exc:
                 raise ValueError(f"set_pager: device_buffer={device_buffer!r}: {exc}") from None
-        elif pager is None:
-            pager = PageManager(parse_bytes(device_budget, "device_budget"), arena_bytes=_PAGED_SLAB_BYTES)
+        elif pager is None:  # residency="device" alone: a PageManager without a budget, the default
+            budget = None if device_budget is None else parse_bytes(device_budget, "device_budget")
+            pager = PageManager(budget, arena_bytes=_PAGED_SLAB_BYTES)
         self._pager = pager
         self._plan = None
 

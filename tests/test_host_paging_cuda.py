@@ -1,0 +1,204 @@
+"""Copy-engine paging on the GPU (``@pytest.mark.cuda``): the discard_ and pinned_empty ops, page-outs
+into host copies, and host-resident states streamed through the device buffer, each bit for bit
+against resident states, through torch.save / torch.load(weights_only=True) and copies. The CPU
+logic is in tests/test_host_copies.py and tests/test_host_resident.py.
+
+DEVICE SAFETY: a few tens of MiB of managed memory per test; pressure only by explicit page-outs
+and the host-resident mode, never by oversubscribing.
+"""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import pagedopt
+from pagedopt import paging
+from pagedopt.paging import HostResidentPager, PageManager
+
+MiB = 1 << 20
+PAGED = [name for name in pagedopt.__all__ if name.startswith("Paged")]
+
+
+def _require_paging():
+    reason = paging.paging_unavailable_reason("cuda:0")
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.cuda
+def test_cuda_pinned_empty_is_exact_page_locked_memory():
+    _require_paging()
+    for shape, dtype in [((12345,), torch.uint8), ((7, 9), torch.float32), ((0,), torch.bfloat16)]:
+        t = torch.ops.pagedopt.pinned_empty(list(shape), dtype)
+        assert t.device.type == "cpu" and t.shape == shape and t.dtype == dtype
+        if t.numel():
+            assert t.is_pinned()
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()  # no power-of-two rounding
+            t.copy_(torch.arange(t.numel()).view(shape).to(dtype))
+            d = t.to("cuda", non_blocking=True)
+            torch.cuda.synchronize()
+            assert torch.equal(d.cpu(), t)
+
+
+@pytest.mark.cuda
+def test_cuda_discard_then_repopulate_and_write():
+    _require_paging()
+    t = paging.managed_empty((4 * MiB,), torch.uint8, "cuda")
+    src = torch.randint(0, 256, (4 * MiB,), dtype=torch.uint8, device="cuda")
+    t.copy_(src)
+    torch.ops.pagedopt.discard_(t, None)
+    torch.ops.pagedopt.discard_(t, torch.device("cuda", 0))  # populated on the GPU again, contents indeterminate
+    t.copy_(src)  # a write makes them determinate
+    torch.cuda.synchronize()
+    assert torch.equal(t, src)
+    with pytest.raises(RuntimeError, match="discard_: the tensor is not in CUDA managed memory"):
+        torch.ops.pagedopt.discard_(torch.zeros(8, device="cuda"), None)
+    with pytest.raises(RuntimeError, match="discard_"):  # no CPU kernel: the dispatcher names the op
+        torch.ops.pagedopt.discard_(torch.zeros(8), None)
+    torch.ops.pagedopt.discard_(t, torch.device("cpu"))  # discarded and populated on the host
+    t.copy_(src)
+    torch.cuda.synchronize()
+    assert torch.equal(t, src)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arena", [0, 4 * MiB])
+def test_cuda_page_out_into_host_copies_round_trips(arena):
+    _require_paging()
+    torch.manual_seed(0)
+    m = PageManager(arena_bytes=arena)
+    shapes = [(1000, 257), (4096,), (3, 5, 7), (2048, 300), (1,), (123_457,)]
+    ts = [m.zeros(s, torch.float32, "cuda") for s in shapes]
+    refs = [torch.randn(s, device="cuda") for s in shapes]
+    for t, r in zip(ts, refs):
+        t.copy_(r)
+    total = sum(t.numel() * 4 for t in ts)
+    for _ in range(3):
+        m.page_out(overlap=True)
+        s = m.stats()
+        assert s.host_copied_bytes == total and s.resident_bytes == 0
+        assert s.host_copy_bytes >= total
+        for i in m.stage([ts[:3], ts[3:]]):
+            for t in (ts[:3], ts[3:])[i]:
+                t.mul_(0.5).add_(1.0)
+        for r in refs:
+            r.mul_(0.5).add_(1.0)
+        assert m.stats().host_copied_bytes == 0
+    torch.cuda.synchronize()
+    for t, r in zip(ts, refs):
+        assert torch.equal(t, r)
+
+
+def _params(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(512, 300), (4096,), (7,), (1024, 257), (33, 65)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to("cuda", dtype)) for s in shapes]
+
+
+def _make(name, params):
+    return getattr(pagedopt, name)(params, lr=1e-2, min_8bit_size=256)
+
+
+def _train(opt, params, steps, seed, after_step=None):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g, device="cuda", dtype=p.dtype)
+        opt.step()
+        if after_step is not None:
+            after_step()
+
+
+def _states(opt):
+    return {(k, kk): v for k, s in opt.state_dict()["state"].items() for kk, v in s.items()
+            if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", PAGED)
+def test_cuda_page_out_every_step_is_bit_identical(name):
+    _require_paging()
+    ref_params, paged_params = _params(), _params()
+    ref, paged = _make(name, ref_params), _make(name, paged_params)
+    ref.set_pager(residency="device")
+    _train(ref, ref_params, 3, seed=1)
+    _train(paged, paged_params, 3, seed=1, after_step=paged.page_out)
+    assert paged.paging_stats().host_copied_bytes > 0  # the states really live in host copies now
+    buf = io.BytesIO()
+    torch.save(paged.state_dict(), buf)  # settles: the copied states come back to be saved
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    for a, b in zip(ref_params, paged_params):
+        assert torch.equal(a, b)
+    ref_states = _states(ref)
+    for k, v in ref_states.items():
+        assert torch.equal(v.cpu(), saved["state"][k[0]][k[1]].cpu()), k
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", PAGED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_host_residency_is_bit_identical_and_holds_only_the_buffer(name, dtype):
+    _require_paging()
+    ref_params, host_params = _params(dtype), _params(dtype)
+    ref, host = _make(name, ref_params), _make(name, host_params)
+    buffer = 4 * MiB  # several chunks for the 8-bit states; the 32-bit ones need their largest parameter's
+    if "8bit" not in name:
+        buffer = 8 * MiB
+    host.set_pager(residency="host", device_buffer=buffer)
+    _train(ref, ref_params, 1, seed=2)
+    _train(host, host_params, 1, seed=2)  # the buffer and the states exist from here on
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    _train(host, host_params, 2, seed=3)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    _train(ref, ref_params, 2, seed=3)
+    for a, b in zip(ref_params, host_params):
+        assert torch.equal(a, b)
+    for k, v in _states(ref).items():
+        assert torch.equal(v.cpu(), _states(host)[k].cpu()), k
+    st = next(iter(host.state.values()))
+    assert all(v.device.type == "cpu" and v.is_pinned() for k, v in st.items()
+               if k in host.algorithm.state_keys + host.algorithm.absmax_keys)
+    s = host.paging_stats()
+    assert s.device_buffer_bytes == buffer and s.resident_bytes == 0
+    assert s.transfer_ms_last_step is not None and s.transfer_ms_last_step > 0
+    # What the host-resident steps allocated beyond the buffer, parameters and grads that existed:
+    # a new grad (replaced one at a time: at most the largest parameter's) and kernel metadata (1 MiB
+    # is far above it); for 32-bit states on bf16 params, fp32 copies of params and grads (8 bytes an
+    # element, at most every element). Never the states (there is an assertion that they are page-locked host tensors above; 32-bit
+    # ones, 3.4 MB, would also exceed this bound).
+    grad = max(p.numel() * p.element_size() for p in host_params)
+    copies = 8 * sum(p.numel() for p in host_params) if ("8bit" not in name and dtype != torch.float32) else 0
+    assert peak <= grad + copies + 1 * MiB, (peak, grad, copies)
+
+
+@pytest.mark.cuda
+def test_cuda_host_residency_checkpoint_and_copy():
+    _require_paging()
+    ref_params, host_params = _params(), _params()
+    ref, host = _make("PagedAdamW8bit", ref_params), _make("PagedAdamW8bit", host_params)
+    host.set_pager(residency="host", device_buffer="4MiB")
+    _train(ref, ref_params, 2, seed=4)
+    _train(host, host_params, 2, seed=4)
+    buf = io.BytesIO()
+    torch.save(host.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in host_params]
+    resumed = _make("PagedAdamW8bit", resumed_params)
+    resumed.set_pager(residency="host", device_buffer="4MiB")
+    resumed.load_state_dict(saved)
+    twin = copy.deepcopy(host)
+    assert isinstance(twin._pager, HostResidentPager)
+    twin_params = [p for g in twin.param_groups for p in g["params"]]
+    for opt, params in ((ref, ref_params), (host, host_params), (resumed, resumed_params), (twin, twin_params)):
+        _train(opt, params, 2, seed=5)
+    for params in (host_params, resumed_params, twin_params):
+        for a, b in zip(ref_params, params):
+            assert torch.equal(a, b)

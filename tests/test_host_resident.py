@@ -1,0 +1,214 @@
+"""HostResidentPager and residency='host' on the CPU: the streaming schedule (regions of the device
+buffer, wrap-around, no group overwritten while in use, copies back), its refusals, and every paged
+optimizer streamed through a buffer a few chunks wide, bit for bit against resident states, through
+checkpoints and copies. On CUDA: tests/test_paging_cuda.py."""
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+
+import pagedopt
+from pagedopt.paging import HostResidentPager
+from pagedopt.paging.host_resident import REGION_ALIGN
+
+PAGED = [name for name in pagedopt.__all__ if name.startswith("Paged")]
+
+
+def _host_tensors(sizes_dtypes, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n, dtype in sizes_dtypes:
+        if dtype == torch.uint8:
+            out.append(torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8))
+        else:
+            out.append(torch.randn(n, generator=g).to(dtype))
+    return out
+
+
+@pytest.mark.parametrize("buffer", [4096, 6144, 20000])
+def test_pass_copies_in_works_and_copies_back_every_group(buffer):
+    pager = HostResidentPager(buffer, prefetch_depth=2)
+    groups = [_host_tensors([(300, torch.float32), (700, torch.uint8)], seed=i) for i in range(9)]
+    groups += [_host_tensors([(100, torch.bfloat16)], seed=99)]
+    expected = [[t.clone() for t in g] for g in groups]
+    seen = []
+    for i, views in pager.stream("cpu", groups):
+        seen.append(i)
+        # the group's views hold its host tensors (no later copy-in overwrote them) and are not them
+        for v, t in zip(views, groups[i]):
+            assert torch.equal(v, t) and v.data_ptr() != t.data_ptr()
+            assert v.untyped_storage().data_ptr() == pager._buffers[torch.device("cpu")].untyped_storage().data_ptr()
+            assert (v.data_ptr() - v.untyped_storage().data_ptr()) % REGION_ALIGN == 0
+        for v in views:
+            v.mul_(3) if v.is_floating_point() else v.add_(7)
+        for e in expected[i]:
+            e.mul_(3) if e.is_floating_point() else e.add_(7)
+    assert seen == list(range(len(groups)))
+    for g, e in zip(groups, expected):
+        assert all(torch.equal(t, x) for t, x in zip(g, e))
+    s = pager.stats()
+    moved = sum(t.numel() * t.element_size() for g in groups for t in g)
+    assert s.page_in_bytes_last_step == moved and s.page_out_bytes_last_step == moved
+    assert s.device_buffer_bytes == buffer and s.resident_bytes == 0
+
+
+def test_regions_wrap_around_the_buffer():
+    pager = HostResidentPager(3 * 1024, prefetch_depth=1)
+    groups = [[torch.full((200,), float(i))] for i in range(7)]  # 800 bytes -> 1024-byte regions
+    starts = []
+    for i, views in pager.stream("cpu", groups):
+        starts.append(views[0].data_ptr() - views[0].untyped_storage().data_ptr())
+    assert starts == [0, 1024, 2048, 0, 1024, 2048, 0]
+
+
+def test_refused_groups_move_nothing():
+    pager = HostResidentPager(1024)
+    ok = [torch.ones(10)]
+    big = [torch.ones(300)]  # 1200 bytes
+    with pytest.raises(ValueError, match="stream group 1 needs 1280 bytes of device buffer"):
+        pager.stream("cpu", [ok, big])
+    assert pager._buffers == {} and pager.stats().page_in_bytes_last_step == 0
+    with pytest.raises(ValueError, match="non-contiguous"):
+        pager.stream("cpu", [[torch.ones(4, 4).t()]])
+    with pytest.raises(ValueError, match="device_buffer_bytes must be an int"):
+        HostResidentPager(10)
+    with pytest.raises(ValueError, match="device_buffer_bytes must be an int"):
+        HostResidentPager(True)
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        HostResidentPager(4096, prefetch_depth=-1)
+
+
+def test_a_failed_iteration_copies_nothing_back_and_stops():
+    pager = HostResidentPager(8192)
+    groups = [[torch.zeros(10)] for _ in range(4)]
+    with pytest.raises(RuntimeError, match="boom"):
+        for i, views in pager.stream("cpu", groups):
+            views[0].fill_(i + 1)
+            if i == 2:
+                raise RuntimeError("boom")
+    assert [float(g[0][0]) for g in groups] == [1.0, 2.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------------------------- optimizers
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(64, 33), (1000,), (7,), (300, 40), (5000,), (129, 31), (1,), (2048,)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def _make(name, params):
+    cls = getattr(pagedopt, name)
+    kw = {"lr": 1e-2, "min_8bit_size": 256}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pagedopt.paging.PagingFallbackWarning)
+        return cls(params, **kw)
+
+
+def _train(opt, params, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", pagedopt.paging.PagingFallbackWarning)
+            opt.step()
+
+
+def _state_tensors(opt):
+    sd = opt.state_dict()["state"]
+    return {(k, kk): v for k, s in sd.items() for kk, v in s.items() if isinstance(v, torch.Tensor)}
+
+
+# A buffer of 64 KiB: chunks of at most ~21 KiB of state (about 52 KiB in all), so the 8 parameters stream as several
+# chunks and the regions wrap around; the largest 32-bit state (300x40 fp32, two moments: 96000
+# bytes) needs a larger buffer, so the 32-bit classes get 200 KiB (chunks of ~68 KiB, still several).
+def _buffer_for(name):
+    return "64KiB" if "8bit" in name else "200KiB"
+
+
+@pytest.mark.parametrize("name", PAGED)
+def test_host_residency_is_bit_identical_to_resident_states(name):
+    ref_params, host_params = _params(), _params()
+    ref = _make(name, ref_params)
+    host = _make(name, host_params)
+    host.set_pager(residency="host", device_buffer=_buffer_for(name))
+    _train(ref, ref_params, 3, seed=1)
+    _train(host, host_params, 3, seed=1)
+    for a, b in zip(ref_params, host_params):
+        assert torch.equal(a, b)
+    ref_state, host_state = _state_tensors(ref), _state_tensors(host)
+    assert ref_state.keys() == host_state.keys()
+    for k in ref_state:
+        assert torch.equal(ref_state[k].cpu(), host_state[k].cpu()), k
+    s = host.paging_stats()
+    assert s.resident_bytes == 0 and s.host_bytes > 0
+    # every state byte went in and came back in the last step
+    assert s.page_in_bytes_last_step == s.page_out_bytes_last_step == s.host_bytes
+    assert s.device_buffer_bytes == pagedopt.optim.byte_sizes.parse_bytes(_buffer_for(name))
+    # no state tensor is on the parameters' side of the buffer: each lives in its own host storage
+    buf = host._pager._buffers[torch.device("cpu")].untyped_storage().data_ptr()
+    assert all(v.untyped_storage().data_ptr() != buf for st in host.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor))
+
+
+@pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedAdEMAMix8bit", "PagedAdamW32bit"])
+def test_host_residency_checkpoint_and_copy_continue_bit_identically(name):
+    ref_params, host_params = _params(), _params()
+    ref, host = _make(name, ref_params), _make(name, host_params)
+    host.set_pager(residency="host", device_buffer=_buffer_for(name))
+    _train(ref, ref_params, 2, seed=2)
+    _train(host, host_params, 2, seed=2)
+    buf = io.BytesIO()
+    torch.save(host.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    # a host-resident checkpoint loads into a resident optimizer, and a copy stays host-resident
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in host_params]
+    resumed = _make(name, resumed_params)
+    resumed.load_state_dict(saved)
+    twin = copy.deepcopy(host)
+    assert isinstance(twin._pager, HostResidentPager)
+    assert twin._pager.device_buffer_bytes == host._pager.device_buffer_bytes
+    twin_params = [p for g in twin.param_groups for p in g["params"]]
+    for opt, params in ((ref, ref_params), (host, host_params), (resumed, resumed_params), (twin, twin_params)):
+        _train(opt, params, 2, seed=3)
+    for params in (host_params, resumed_params, twin_params):
+        for a, b in zip(ref_params, params):
+            assert torch.equal(a, b)
+
+
+def test_set_pager_host_refusals_name_the_argument_and_change_nothing():
+    params = _params()
+    opt = _make("PagedAdamW8bit", params)
+    with pytest.raises(ValueError, match="residency must be 'host' or 'device'"):
+        opt.set_pager(residency="gpu")
+    with pytest.raises(ValueError, match="device_buffer=... goes with residency='host'"):
+        opt.set_pager(device_buffer="1MiB")
+    with pytest.raises(ValueError, match="exactly one"):
+        opt.set_pager(residency="host", device_budget="1GiB")
+    with pytest.raises(ValueError, match="device_buffer"):
+        opt.set_pager(residency="host", device_buffer="lots")
+    with pytest.raises(ValueError, match="device_buffer"):
+        opt.set_pager(residency="host", device_buffer=16)
+    with pytest.raises(ValueError, match="not a paged optimizer"):
+        pagedopt.AdamW8bit(_params()).set_pager(residency="host")
+    assert not isinstance(opt._pager, HostResidentPager)
+    # a parameter whose states do not fit the buffer: refused before any state is made
+    opt.set_pager(residency="host", device_buffer="4KiB")
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\]: its states take \d+ bytes"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
+    assert all(len(s) == 0 for s in opt.state.values())
+
+
+def test_residency_device_is_the_default_pager():
+    opt = _make("PagedAdamW8bit", _params())
+    opt.set_pager(residency="device")  # spelled out: the ordinary PageManager
+    assert isinstance(opt._pager, pagedopt.PageManager)
