@@ -262,6 +262,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-arena", action="store_true", help="skip the arena variant")
+    ap.add_argument("--variants", default="uvm,arena,copy", help="managed-memory variants to run (comma list "
+                    "of uvm, arena, copy)")
     ap.add_argument("--no-extras", action="store_true", help="skip the rw / fault / host-preferred rows")
     ap.add_argument("--smoke", action="store_true", help="tiny run; on a machine without CUDA, exits 0 (skipped)")
     ap.add_argument("--out", default=None, help="JSON output path")
@@ -322,10 +324,13 @@ def main(argv=None) -> int:
         doc["error"] = f"free GPU memory fell to {free / GiB:.2f} GiB after the pinned bench"
         doc["results"] = results
         return finish(2)
-    results.update(bench_managed(layout, device, warmup, repeat, 0, "uvm", not args.no_extras))
-    if not args.no_arena:
+    variants = {v.strip() for v in args.variants.split(",") if v.strip()}
+    if "uvm" in variants:
+        results.update(bench_managed(layout, device, warmup, repeat, 0, "uvm", not args.no_extras))
+    if "arena" in variants and not args.no_arena:
         results.update(bench_managed(layout, device, warmup, repeat, 64 * MiB, "arena", False))
-    results.update(bench_managed(layout, device, warmup, repeat, 64 * MiB, "copy", False, host_copies=True))
+    if "copy" in variants:
+        results.update(bench_managed(layout, device, warmup, repeat, 64 * MiB, "copy", False, host_copies=True))
     doc["results"] = results
     doc["summary_gbps"] = {k: v.get("gbps") for k, v in results.items() if isinstance(v, dict) and "gbps" in v}
     print_table(results)

@@ -39,7 +39,8 @@ if [ "${TRAIN_S:-200}" != 0 ]; then
 fi
 if [ "${PAGING_S:-70}" != 0 ]; then
   log "bench_paging"
-  timeout "${PAGING_S:-70}" python3 bench/bench_paging.py --no-extras --repeat 5 --out "$OUT/paging.json" \
+  timeout "${PAGING_S:-70}" python3 bench/bench_paging.py --no-extras --repeat 5 --variants "${PAGING_VARIANTS:-arena,copy}" \
+    --out "$OUT/paging.json" \
     > "$OUT/bench_paging.log" 2>&1
   log "bench_paging rc=$?"; tail -n 16 "$OUT/bench_paging.log"
 fi
