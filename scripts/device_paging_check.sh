@@ -23,7 +23,7 @@ fi
 log "pytest -m cuda"
 timeout "${TEST_S:-170}" python3 -m pytest -m cuda -q -p no:cacheprovider ${TESTS:-tests/test_host_paging_cuda.py \
   tests/test_paging_cuda.py tests/test_optim_cuda.py tests/test_checkpoint_cuda.py} > "$OUT/pytest_cuda.log" 2>&1
-log "pytest rc=$?: $(tail -n 1 "$OUT/pytest_cuda.log")"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_cuda.log" | head -20
+log "pytest rc=$?: $(tail -n 1 "$OUT/pytest_cuda.log")"; grep -E "^(FAILED|ERROR)|^E  " "$OUT/pytest_cuda.log" | head -"${FAIL_LINES:-20}"
 if [ "${STEP_S:-150}" != 0 ]; then
   log "bench_step (TinyLlama-1.1B set, page-out rows)"
   timeout "${STEP_S:-150}" python3 bench/bench_step.py --sets tinyllama --dtypes fp32 --no-torchao --no-plot \

@@ -232,3 +232,15 @@ def test_host_copies_setting_survives_copies_and_is_checked():
     assert copy.deepcopy(PageManager()).host_copies is True
     with pytest.raises(ValueError, match="host_copies"):
         PageManager(host_copies="yes")
+
+
+def test_separate_runs_of_one_slab_keep_their_own_place_in_the_host_copy():
+    """Two runs of one slab (ordinals 1 and 3, not consecutive) go to their own offsets of the
+    slab's host copy: neither overwrites the other."""
+    m = _manager()
+    ts = _slab_tensors(m, [3000, 3000, 3000, 3000], seed=7)
+    before = [t.clone() for t in ts]
+    assert m.page_out([ts[1], ts[3]]) == 6000
+    assert [c[1] for c in m._cuda.calls if c[0] == "discard"] == [3000, 3000]
+    m.prefetch([ts[1], ts[3]])
+    assert all(torch.equal(t, b) for t, b in zip(ts, before))

@@ -54,6 +54,15 @@ def test_cuda_discard_then_repopulate_and_write():
     t.copy_(src)  # a write makes them determinate
     torch.cuda.synchronize()
     assert torch.equal(t, src)
+    # a span that is not page aligned: only the whole 2 MiB pages inside it are discarded, so every
+    # byte outside [2 MiB, 3 MiB) keeps its contents, including those of the span itself
+    torch.ops.pagedopt.discard_(t[1000:3 * MiB + 5], torch.device("cuda", 0))
+    torch.cuda.synchronize()
+    assert torch.equal(t[:2 * MiB], src[:2 * MiB]) and torch.equal(t[3 * MiB:], src[3 * MiB:])
+    torch.ops.pagedopt.discard_(t[:MiB], None)  # shorter than a page: nothing to discard
+    torch.cuda.synchronize()
+    assert torch.equal(t[:MiB], src[:MiB])
+    t.copy_(src)
     with pytest.raises(RuntimeError, match="discard_: the tensor is not in CUDA managed memory"):
         torch.ops.pagedopt.discard_(torch.zeros(8, device="cuda"), None)
     with pytest.raises(RuntimeError, match="discard_"):  # no CPU kernel: the dispatcher names the op

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -18,6 +19,8 @@
 
 namespace pagedopt::paging {
 namespace {
+
+constexpr uintptr_t kDiscardPage = uintptr_t{2} << 20;  // discards cover whole 2 MiB pages
 
 // The device ordinal of a CUDA device argument, resolving "cuda" (no index) to the current
 // device, and checking that it exists.
@@ -220,11 +223,26 @@ void discard_(const at::Tensor& t, std::optional<c10::Device> to) {
   std::optional<c10::DeviceIndex> target;
   const bool prefetch = to.has_value();
   if (prefetch) target = resolve_target(t, to, "discard_");
+  // Only the whole pages inside the span are discarded (the driver refuses ranges that are not
+  // page aligned; 2 MiB is the largest page it uses), so bytes outside the span are never touched.
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(ptr) + kDiscardPage - 1) / kDiscardPage * kDiscardPage;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(ptr) + bytes) / kDiscardPage * kDiscardPage;
+  if (end <= begin) return;
   c10::cuda::CUDAGuard guard(index);
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(index).stream();
+  const at::cuda::CUDAStream current = at::cuda::getCurrentCUDAStream(index);
+  // The batch calls refuse the legacy default stream: there, the discard runs on a pool stream
+  // ordered after the current stream's work and before its later work (events, no host wait).
+  const bool legacy = current.stream() == nullptr || current.stream() == cudaStreamLegacy;
+  const at::cuda::CUDAStream side = legacy ? at::cuda::getStreamFromPool(false, index) : current;
+  if (legacy) {
+    at::cuda::CUDAEvent before;
+    before.record(current);
+    before.block(side);
+  }
+  const cudaStream_t stream = side.stream();
 #if CUDART_VERSION >= 12080
-  void* ptrs[1] = {ptr};
-  size_t sizes[1] = {bytes};
+  void* ptrs[1] = {reinterpret_cast<void*>(begin)};
+  size_t sizes[1] = {static_cast<size_t>(end - begin)};
   cudaError_t err;
   if (prefetch) {
     cudaMemLocation loc{};
@@ -249,6 +267,11 @@ void discard_(const at::Tensor& t, std::optional<c10::Device> to) {
   TORCH_CHECK(false, "discard_: this build's CUDA runtime (", CUDART_VERSION,
               ") has no cudaMemDiscardBatchAsync (CUDA 12.8 or newer)");
 #endif
+  if (legacy) {
+    at::cuda::CUDAEvent after;
+    after.record(side);
+    after.block(current);
+  }
 }
 
 at::Tensor pinned_empty(c10::IntArrayRef size, at::ScalarType dtype) {

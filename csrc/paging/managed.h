@@ -60,10 +60,12 @@ bool is_managed(const at::Tensor& t);
 // Last explicit prefetch location of the bytes spanned by `t`, as a Residency value.
 int64_t residency(const at::Tensor& t);
 
-// On the current stream of t's device: cudaMemDiscardBatchAsync of the bytes spanned by `t`
-// (to = None) or cudaMemDiscardAndPrefetchBatchAsync to `to` (host, or t's own device: the pages
-// are populated there without moving the indeterminate contents). After a discard the bytes are
-// indeterminate until written; the paging code keeps their contents in a host copy first.
+// On the current stream of t's device: cudaMemDiscardBatchAsync of the whole 2 MiB pages inside
+// the bytes spanned by `t` (to = None), or cudaMemDiscardAndPrefetchBatchAsync of them to `to`
+// (host, or t's own device: the pages are populated there without moving the indeterminate
+// contents). Bytes of the span outside those pages keep their contents; a span shorter than a
+// page discards nothing. After a discard the discarded bytes are indeterminate until written; the
+// paging code keeps their contents in a host copy first.
 // Raises where the runtime (before CUDA 12.8) or the driver does not offer discards.
 void discard_(const at::Tensor& t, std::optional<c10::Device> to);
 
