@@ -1,0 +1,115 @@
+"""What the paged optimizers add to QuantizedOptimizer (a base of it): choosing the pager
+(``set_pager``: a PageManager, a device budget or host residency), ``page_out`` / ``prefetch`` /
+``paging_stats``, and the check that host-resident states fit their device buffer."""
+from __future__ import annotations
+
+import torch
+
+from ..quant import STATE_BLOCK_SIZE
+from . import sharding
+from .byte_sizes import optimizer_state_bytes, parse_bytes
+
+# Paged states smaller than a quarter of this share managed slabs of this size, so that paging
+# a chunk in or out takes a few driver calls instead of one per tensor: on the H200 this took
+# page-in from 25 to 44 GB/s for the 714 state tensors of a 1.1B-parameter model.
+PAGED_SLAB_BYTES = 64 << 20
+DEFAULT_DEVICE_BUFFER = "256MiB"
+
+
+class PagerControl:
+    """The paging methods of QuantizedOptimizer (see there for the attributes they use)."""
+
+    def set_pager(self, pager=None, *, device_budget=None, residency=None, device_buffer=None) -> None:
+        """Page this optimizer's states through ``pager`` (a ``pagedopt.PageManager`` or
+        ``pagedopt.HostResidentPager``), or through a new one:
+
+        * ``device_budget``: a PageManager that keeps at most that many paged bytes resident per
+          GPU (an int, or a string such as ``"4GiB"`` or ``"512MiB"``; see PageManager's
+          ``budget_bytes`` for what it does);
+        * ``residency="host"``: a HostResidentPager: states live in page-locked host memory and
+          stream through a device buffer of ``device_buffer`` bytes (default ``"256MiB"``) during
+          step(), which is all the GPU memory the states take; results are bit-identical to
+          resident states.
+
+        Paged optimizers only, before their first step: states already made stay where their
+        pager put them, so changing it later raises a ValueError."""
+        from ..paging import HostResidentPager, PageManager
+
+        if not self.is_paged:
+            raise ValueError(f"{type(self).__name__} is not a paged optimizer; use its Paged* class to page states")
+        if any(len(s) for s in self.state.values()):
+            raise ValueError("set_pager: this optimizer already holds states (set the pager before the first step "
+                             "or load_state_dict)")
+        if residency is not None and residency not in ("host", "device"):
+            raise ValueError(f"set_pager: residency must be 'host' or 'device', got {residency!r}")
+        if device_buffer is not None and residency != "host":
+            raise ValueError("set_pager: device_buffer=... goes with residency='host'")
+        chosen = sum(x is not None for x in (pager, device_budget)) + (residency == "host")
+        if chosen != 1 and not (residency == "device" and chosen == 0):
+            raise ValueError("set_pager takes a pager, device_budget=... or residency='host', exactly one of them")
+        if pager is not None and not isinstance(pager, (PageManager, HostResidentPager)):
+            raise ValueError("set_pager: pager must be a pagedopt.PageManager or pagedopt.HostResidentPager, got "
+                             f"{type(pager).__name__}")
+        if residency == "host":
+            size = parse_bytes(DEFAULT_DEVICE_BUFFER if device_buffer is None else device_buffer, "device_buffer")
+            try:
+                pager = HostResidentPager(size)
+            except ValueError as exc:
+                raise ValueError(f"set_pager: device_buffer={device_buffer!r}: {exc}") from None
+        elif pager is None:  # residency="device" alone: a PageManager without a budget, the default
+            budget = None if device_budget is None else parse_bytes(device_budget, "device_budget")
+            pager = PageManager(budget, arena_bytes=PAGED_SLAB_BYTES)
+        self._pager = pager
+        self._plan = None
+
+    def page_out(self) -> None:
+        """Send every paged state to host memory (for example right after step(), to free
+        the GPU for activations). A no-op for unpaged optimizers."""
+        if self._pager is not None:
+            self._pager.page_out()
+
+    def prefetch(self) -> None:
+        """Bring every paged state back to its device ahead of the next step."""
+        if self._pager is not None:
+            self._pager.prefetch()
+
+    def paging_stats(self):
+        return None if self._pager is None else self._pager.stats()
+
+    def state_bytes(self) -> int:
+        """Bytes held by optimizer state tensors (codes, absmax, 32-bit moments, steps)."""
+        return optimizer_state_bytes(self)
+
+
+    def _check_fits_device_buffer(self, config: dict, p: torch.Tensor, gi: int, pi: int) -> None:
+        """Host-resident states stream a parameter's states in one piece: they must fit the device
+        buffer. Checked before the states are made, so a refused step changes nothing."""
+        state = self.state.get(p, {})
+        keys = self.algorithm.state_keys + self.algorithm.absmax_keys
+        if any(isinstance(state.get(k), torch.Tensor) for k in keys):
+            nbytes = sum(state[k].numel() * state[k].element_size() for k in keys if isinstance(state.get(k), torch.Tensor))
+        elif not self._needs_states(config):
+            return
+        else:
+            local = sharding.local(p)
+            eight_bit = self._uses_8bit(config, p)
+            blocks = (local.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
+            nbytes = 0
+            for spec in self.algorithm.states:
+                numel = 1
+                for n in spec.shape(local.shape):
+                    numel *= n
+                nbytes += numel * (1 if eight_bit else 4)
+                if eight_bit:
+                    absmax = 1
+                    for n in spec.absmax_shape(blocks):
+                        absmax *= n
+                    nbytes += 4 * absmax
+        # each state tensor's region is rounded up to the buffer's alignment (host_resident.REGION_ALIGN)
+        from ..paging.host_resident import REGION_ALIGN
+
+        needed = nbytes + REGION_ALIGN * 2 * len(self.algorithm.states)
+        if needed > self._pager.device_buffer_bytes:
+            raise ValueError(f"param_groups[{gi}]['params'][{pi}]: its states take {nbytes} bytes, more than the device "
+                             f"buffer of host-resident states holds ({self._pager.device_buffer_bytes} bytes); "
+                             f"set_pager(residency='host', device_buffer=...) with at least {needed} bytes")
