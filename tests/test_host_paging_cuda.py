@@ -31,6 +31,9 @@ def _require_paging():
 @pytest.mark.cuda
 def test_cuda_pinned_empty_is_exact_page_locked_memory():
     _require_paging()
+    # torch answers is_pinned() from its own CUDA state: before torch initialized CUDA it said False
+    # for this memory on the H200 (2026-12-03; the host-resident states, made after, said True)
+    torch.cuda.init()
     for shape, dtype in [((12345,), torch.uint8), ((7, 9), torch.float32), ((0,), torch.bfloat16)]:
         t = torch.ops.pagedopt.pinned_empty(list(shape), dtype)
         assert t.device.type == "cpu" and t.shape == shape and t.dtype == dtype
