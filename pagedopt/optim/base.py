@@ -292,7 +292,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
                     for pi, p in enumerate(group["params"])}
         overrides = self._overrides(self.param_groups)
         members: dict[tuple, list[int]] = defaultdict(list)
-        streamed = getattr(self._pager, "streams_states", False)
+        streamed = getattr(self._pager, "streams_states", False)  # host-resident states: no held device lists
         for i, p in enumerate(params):
             gi, pi = index_of[id(p)]
             override = overrides.get((gi, pi), {})
@@ -314,7 +314,6 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
             bucket_params = [params[i] for i in index]
             states = [state[p] for p in bucket_params]
             lists = tuple([s[k] for s in states] for k in self._bucket_keys(eight_bit, stateful))
-            streamed = getattr(self._pager, "streams_states", False)  # host states: no held device lists
             held = self._hold_states(lists, states[0], eight_bit) if stateful and not streamed else None
             buckets.append(_Bucket(gi, device, eight_bit, stateful, index, bucket_params, states, lists, held,
                                    dict(setting)))

@@ -3,6 +3,8 @@
 ``paging_stats``, and the check that host-resident states fit their device buffer."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..quant import STATE_BLOCK_SIZE
@@ -13,7 +15,6 @@ from .byte_sizes import optimizer_state_bytes, parse_bytes
 # a chunk in or out takes a few driver calls instead of one per tensor: on the H200 this took
 # page-in from 25 to 44 GB/s for the 714 state tensors of a 1.1B-parameter model.
 PAGED_SLAB_BYTES = 64 << 20
-DEFAULT_DEVICE_BUFFER = "256MiB"
 
 
 class PagerControl:
@@ -51,7 +52,9 @@ class PagerControl:
             raise ValueError("set_pager: pager must be a pagedopt.PageManager or pagedopt.HostResidentPager, got "
                              f"{type(pager).__name__}")
         if residency == "host":
-            size = parse_bytes(DEFAULT_DEVICE_BUFFER if device_buffer is None else device_buffer, "device_buffer")
+            from ..paging.host_resident import DEFAULT_DEVICE_BUFFER
+
+            size = DEFAULT_DEVICE_BUFFER if device_buffer is None else parse_bytes(device_buffer, "device_buffer")
             try:
                 pager = HostResidentPager(size)
             except ValueError as exc:
@@ -80,7 +83,6 @@ class PagerControl:
         """Bytes held by optimizer state tensors (codes, absmax, 32-bit moments, steps)."""
         return optimizer_state_bytes(self)
 
-
     def _check_fits_device_buffer(self, config: dict, p: torch.Tensor, gi: int, pi: int) -> None:
         """Host-resident states stream a parameter's states in one piece: they must fit the device
         buffer. Checked before the states are made, so a refused step changes nothing."""
@@ -94,17 +96,9 @@ class PagerControl:
             local = sharding.local(p)
             eight_bit = self._uses_8bit(config, p)
             blocks = (local.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
-            nbytes = 0
-            for spec in self.algorithm.states:
-                numel = 1
-                for n in spec.shape(local.shape):
-                    numel *= n
-                nbytes += numel * (1 if eight_bit else 4)
-                if eight_bit:
-                    absmax = 1
-                    for n in spec.absmax_shape(blocks):
-                        absmax *= n
-                    nbytes += 4 * absmax
+            nbytes = sum(math.prod(spec.shape(local.shape)) * (1 if eight_bit else 4)
+                         + (4 * math.prod(spec.absmax_shape(blocks)) if eight_bit else 0)
+                         for spec in self.algorithm.states)
         # each state tensor's region is rounded up to the buffer's alignment (host_resident.REGION_ALIGN)
         from ..paging.host_resident import REGION_ALIGN
 
