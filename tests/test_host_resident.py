@@ -212,3 +212,80 @@ def test_residency_device_is_the_default_pager():
     opt = _make("PagedAdamW8bit", _params())
     opt.set_pager(residency="device")  # spelled out: the ordinary PageManager
     assert isinstance(opt._pager, pagedopt.PageManager)
+
+
+# ---------------------------------------------------------------------------------- what users do
+def _host(name, params, buffer="64KiB"):
+    opt = _make(name, params)
+    opt.set_pager(residency="host", device_buffer=buffer)
+    return opt
+
+
+def test_host_residency_under_grad_scaler_skips_inf_steps_like_resident_states():
+    ref_params, host_params = _params(5), _params(5)
+    ref, host = _make("PagedAdamW8bit", ref_params), _host("PagedAdamW8bit", host_params)
+    for step in range(3):
+        for opt, params in ((ref, ref_params), (host, host_params)):
+            scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
+            opt.zero_grad()
+            loss = sum((p ** 2).sum() * (k + 1) for k, p in enumerate(params))
+            scaler.scale(loss).backward()
+            if step == 1:
+                params[2].grad[0] = float("inf")  # this step is skipped: nothing may change
+            scaler.step(opt)
+    for a, b in zip(ref_params, host_params):
+        assert torch.equal(a, b)
+    ref_state, host_state = _state_tensors(ref), _state_tensors(host)
+    for k in ref_state:
+        assert torch.equal(ref_state[k], host_state[k]), k
+    assert all(float(s["step"]) == 2 for s in host.state.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_host_residency_with_16bit_and_non_contiguous_params(dtype):
+    def params():
+        g = torch.Generator().manual_seed(9)
+        base = [torch.randn(96, 40, generator=g).to(dtype), torch.randn(3000, generator=g).to(dtype)]
+        return [torch.nn.Parameter(base[0].t()), torch.nn.Parameter(base[1])]  # a transposed (non-contiguous) one
+
+    ref_params, host_params = params(), params()
+    assert not ref_params[0].is_contiguous()
+    ref, host = _make("PagedAdamW8bit", ref_params), _host("PagedAdamW8bit", host_params, "32KiB")
+    g = torch.Generator().manual_seed(10)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=g).to(dtype) for p in ref_params]
+        for opt, ps in ((ref, ref_params), (host, host_params)):
+            for p, gr in zip(ps, grads):
+                p.grad = gr.clone()
+            opt.step()
+    for a, b in zip(ref_params, host_params):
+        assert torch.equal(a, b)
+
+
+def test_host_residency_in_a_compiled_training_step():
+    def model_and_opt(host):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+        opt = _make("PagedAdamW8bit", list(model.parameters()))
+        if host:
+            opt.set_pager(residency="host", device_buffer="48KiB")
+        return model, opt
+
+    def train_step(model, opt, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    compiled = torch.compile(train_step, backend="inductor")
+    (m_ref, o_ref), (m_host, o_host) = model_and_opt(False), model_and_opt(True)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", pagedopt.paging.PagingFallbackWarning)
+            train_step(m_ref, o_ref, x)
+            compiled(m_host, o_host, x)
+    for a, b in zip(m_ref.parameters(), m_host.parameters()):
+        assert torch.equal(a, b)
+    assert o_host.paging_stats().page_in_bytes_last_step == o_host.paging_stats().host_bytes > 0
