@@ -244,3 +244,22 @@ def test_separate_runs_of_one_slab_keep_their_own_place_in_the_host_copy():
     assert [c[1] for c in m._cuda.calls if c[0] == "discard"] == [3000, 3000]
     m.prefetch([ts[1], ts[3]])
     assert all(torch.equal(t, b) for t, b in zip(ts, before))
+
+
+def test_optimizer_settle_brings_back_only_host_copied_states():
+    import warnings
+
+    import pagedopt
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", paging.PagingFallbackWarning)
+        opt = pagedopt.PagedAdamW8bit([torch.nn.Parameter(torch.randn(5000))], min_8bit_size=256)
+    m = _manager()
+    opt._pager = m
+    ts = [_lone(m, 5000, 1), _lone(m, 6000, 2)]
+    before = [t.clone() for t in ts]
+    m.page_out([ts[0]])
+    m._cuda.calls.clear()
+    opt.settle()
+    assert [c[0] for c in m._cuda.calls] == ["discard"] and torch.equal(ts[0], before[0])
+    assert m.stats().host_copied_bytes == 0

@@ -289,3 +289,14 @@ def test_host_residency_in_a_compiled_training_step():
     for a, b in zip(m_ref.parameters(), m_host.parameters()):
         assert torch.equal(a, b)
     assert o_host.paging_stats().page_in_bytes_last_step == o_host.paging_stats().host_bytes > 0
+
+
+def test_settle_makes_host_states_readable_and_is_a_no_op_unpaged():
+    params = _params(11)
+    opt = _host("PagedAdamW8bit", params)
+    _train(opt, params, 1, seed=12)
+    waited = []
+    opt._pager.synchronize = lambda: waited.append(True)  # what settle must call for host states
+    opt.settle()
+    assert waited == [True]
+    pagedopt.AdamW8bit(_params()).settle()  # unpaged: nothing to do, no error

@@ -76,6 +76,13 @@ class PagerControl:
         if self._pager is not None:
             self._pager.prefetch()
 
+    def settle(self) -> None:
+        """Make every state tensor readable by any torch op right now: states paged out into host
+        copies come back to the GPU, and host-resident states wait for the last step's copies back
+        (state_dict() and copies do this themselves). A no-op for unpaged optimizers."""
+        if self._pager is not None:
+            self._pager.settle()
+
     def paging_stats(self):
         return None if self._pager is None else self._pager.stats()
 
