@@ -3,9 +3,11 @@
 # device's python and torch) or build it, run the CUDA paging/optimizer tests, then the benches that
 # measure the paging targets. Every stage has its own time cap; results land in $OUT.
 #
-#   run(command="bash scripts/device_paging_check.sh", carry=[".devbuild"])
+#   run(command="bash scripts/device_paging_check.sh", carry=[".devbuild", ".whl"])
 #
 # .devbuild/_C.*.so: an extension built for the device's python3 and torch (optional).
+# .whl/*.whl: the peers' wheels (bitsandbytes, torchao), installed into /tmp/site (optional).
+# PROBE_S (default 0: off): run scripts/probe_page_in.cu first, for at most that many seconds.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -20,14 +22,23 @@ if ok; then log "carried build imports"; else
   log "building"; PAGEDOPT_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 timeout "${BUILD_S:-330}" \
     python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1; ok || { log "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1; }
 fi
+if compgen -G ".whl/*.whl" >/dev/null; then  # peers (bitsandbytes, torchao): carry .whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site && log "wheels installed: $(ls .whl | tr '\n' ' ')"
+fi
+if [ "${PROBE_S:-0}" != 0 ]; then
+  log "probe_page_in"; nvcc -O2 -arch=sm_90 -o /tmp/probe_in scripts/probe_page_in.cu && timeout "$PROBE_S" /tmp/probe_in | tee "$OUT/probe_page_in.txt"
+fi
+if [ "${TEST_S:-170}" != 0 ]; then
 log "pytest -m cuda"
 timeout "${TEST_S:-170}" python3 -m pytest -m cuda -q -p no:cacheprovider ${TESTS:-tests/test_host_paging_cuda.py \
   tests/test_paging_cuda.py tests/test_optim_cuda.py tests/test_checkpoint_cuda.py} > "$OUT/pytest_cuda.log" 2>&1
 log "pytest rc=$?: $(tail -n 1 "$OUT/pytest_cuda.log")"; grep -E "^(FAILED|ERROR)|^E  " "$OUT/pytest_cuda.log" | head -"${FAIL_LINES:-20}"
+fi
 if [ "${STEP_S:-150}" != 0 ]; then
   log "bench_step (TinyLlama-1.1B set, page-out rows)"
   timeout "${STEP_S:-150}" python3 bench/bench_step.py --sets tinyllama --dtypes fp32 --no-torchao --no-plot \
-    --only pagedopt_paged,pagedopt_adamw8bit,torch_adamw_fused --out "$OUT" > "$OUT/bench_step.log" 2>&1
+    --only "${STEP_ONLY:-pagedopt_paged,pagedopt_adamw8bit,torch_adamw_fused}" --out "$OUT" > "$OUT/bench_step.log" 2>&1
   log "bench_step rc=$?"; tail -n 14 "$OUT/bench_step.log"
 fi
 if [ "${TRAIN_S:-200}" != 0 ]; then
