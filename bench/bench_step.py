@@ -127,9 +127,13 @@ class Runner:
             C.reinit_params(params, args.seed)
             C.free_memory()
             alloc0 = C.cuda_allocated(device)
+            if spec.graph and not C.is_cuda(device):
+                self.add({**base, "skipped": "a CUDA graph needs CUDA"})
+                return
             opt = spec.make(params)
             first_ms = C.host_time_ms(opt.step, device)      # creates the states (torchao: compiles)
-            times = C.time_ms(opt.step, device, max(0, warmup - 1), repeat)
+            step = captured_step(opt, device) if spec.graph else opt.step
+            times = C.time_ms(step, device, max(0, warmup - 1), repeat)
             st = C.stats(times)
             # Back to back: steps queued without waiting, as in training, where the host prepares the
             # next step while the GPU works: the device time of a step, with host overhead hidden.
@@ -137,7 +141,7 @@ class Runner:
 
             def timed_step():
                 t0 = time.perf_counter()
-                opt.step()
+                step()
                 host_ms.append((time.perf_counter() - t0) * 1e3)
 
             b2b = C.time_ms(timed_step, device, 0, repeat, sync_each=False) if C.is_cuda(device) else times
@@ -216,6 +220,17 @@ class Runner:
                 traceback.print_exc()
             case["error" if spec.family == "pagedopt" else "skipped"] = C.short_error(e)
         return case
+
+
+def captured_step(opt, device):
+    """opt.step() captured in a CUDA graph (after the eager first step made the states): the
+    graph's replay, which reruns the step's kernels with no host work but the launch."""
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    torch.cuda.synchronize(device)
+    return graph.replay
 
 
 # --------------------------------------------------------------------------- main

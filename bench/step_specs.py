@@ -24,6 +24,11 @@ MANAGED_LIMIT = 16 * (1 << 30)
 
 
 # --------------------------------------------------------------------------- peers
+def _lr_on(params, hyper: dict) -> dict:
+    """``hyper`` with lr a float32 tensor on the parameters' device (what a captured step reads)."""
+    return {**hyper, "lr": torch.tensor(hyper["lr"], dtype=torch.float32, device=params[0].device)}
+
+
 def _pagedopt():
     import pagedopt
     return pagedopt
@@ -96,6 +101,7 @@ class Spec:
     min_budget_s: float = 0.0      # skip when less wall time than this is left
     note: str = ""
     moments: int = 2               # moment arrays per parameter (Lion 1, Adam 2, AdEMAMix 3)
+    graph: bool = False            # time the step captured in a CUDA graph and replayed (CUDA only)
 
 
 def build_specs(args) -> list[Spec]:
@@ -110,6 +116,13 @@ def build_specs(args) -> list[Spec]:
              note="32-bit states, paged"),
         Spec("torch_adamw_fused", "torch", 32, lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER),
              note="states in param dtype"),
+        # the step captured in a CUDA graph and replayed: capturable=True, lr a tensor on the GPU
+        Spec("pagedopt_adamw8bit_graph", "pagedopt", 8,
+             lambda ps: _pagedopt().AdamW8bit(ps, capturable=True, **_lr_on(ps, HYPER)), graph=True,
+             note="capturable=True, CUDA graph"),
+        Spec("torch_adamw_fused_graph", "torch", 32,
+             lambda ps: torch.optim.AdamW(ps, fused=True, capturable=True, **_lr_on(ps, HYPER)), graph=True,
+             note="capturable=True, CUDA graph"),
         Spec("bnb_adamw8bit", "bnb", 8, lambda ps: _bnb().optim.AdamW8bit(ps, **HYPER)),
         # bitsandbytes' own page-out (prefetch_tensor to_cpu) exits the process on CUDA 13
         # ("invalid device ordinal", seen 2026-12-02 on the H200), so it is opt-in.

@@ -36,15 +36,19 @@ TORCH_LIBRARY(pagedopt, m) {
   // 32-bit: float32 states, `absmax` and `qmaps` empty. `hyper`: the algorithm's
   // hyperparameters in its documented order. `steps` as for adam8bit_step_. `scales` (float32, one
   // per parameter): the per-tensor update scales of lars and lamb (see quantized_update_norm_).
+  // `lr` (a one-element float32 or float64 tensor on the parameters' device): the learning rate,
+  // read by the kernel in place of hyper[0] (every algorithm's first hyperparameter), so that a
+  // step captured in a CUDA graph reads the value the tensor holds at each replay (capturable=True).
   m.def(
       "quantized_step_(str algorithm, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, "
       "Tensor(c!)[] absmax, Tensor[] steps, Tensor[] qmaps, float[] hyper, Tensor? grad_scale, "
-      "Tensor? found_inf, Tensor? scales=None) -> ()");
+      "Tensor? found_inf, Tensor? scales=None, Tensor? lr=None) -> ()");
 
   // The same step with the states, steps and codebooks held by a QuantizedStateList.
   m.def(
       "quantized_step_list_(__torch__.torch.classes.pagedopt.QuantizedStateList states, Tensor(a!)[] params, "
-      "Tensor[] grads, float[] hyper, Tensor? grad_scale, Tensor? found_inf, Tensor? scales=None) -> ()");
+      "Tensor[] grads, float[] hyper, Tensor? grad_scale, Tensor? found_inf, Tensor? scales=None, "
+      "Tensor? lr=None) -> ()");
 
   // The first pass of the algorithms whose update is scaled per tensor by its norm (lars, lamb):
   // writes into `norms` (float64, one per parameter) the sum of squares of each parameter's update
@@ -52,7 +56,7 @@ TORCH_LIBRARY(pagedopt, m) {
   // optimizer forms each tensor's scale from it and passes the scales to quantized_step_.
   m.def(
       "quantized_update_norm_(str algorithm, Tensor[] params, Tensor[] grads, Tensor[] states, Tensor[] absmax, "
-      "Tensor[] steps, Tensor[] qmaps, float[] hyper, Tensor? grad_scale, Tensor(a!) norms) -> ()");
+      "Tensor[] steps, Tensor[] qmaps, float[] hyper, Tensor? grad_scale, Tensor(a!) norms, Tensor? lr=None) -> ()");
 
   // Validation of an optimizer's gradients in one call: the index of the first grads[i] that
   // does not match params[i] (strided layout, same dtype, shape and device, a float32 / bfloat16 /

@@ -48,17 +48,18 @@ def quantized_step_(algorithm: str, params: Sequence[torch.Tensor], grads: Seque
                     states: Sequence[Sequence[torch.Tensor]], absmax: Sequence[Sequence[torch.Tensor]], steps,
                     qmaps: Sequence[torch.Tensor], hyper: Sequence[float], *,
                     grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None,
-                    scales: Optional[torch.Tensor] = None) -> None:
+                    scales: Optional[torch.Tensor] = None, lr: Optional[torch.Tensor] = None) -> None:
     """One fused step of the generic engine (csrc/include/pagedopt/algorithms.h). ``states`` and
     ``absmax`` hold one list per state key (``absmax`` and ``qmaps`` empty for 32-bit states);
-    ``scales``: the per-tensor update scales of lars and lamb."""
+    ``scales``: the per-tensor update scales of lars and lamb; ``lr``: a one-element tensor on the
+    parameters' device that the kernel reads in place of ``hyper[0]`` (capturable steps)."""
     ops.quantized_step_(algorithm, list(params), list(grads), [t for key in states for t in key],
                         [t for key in absmax for t in key], list(steps), list(qmaps), [float(h) for h in hyper],
-                        grad_scale, found_inf, scales)
+                        grad_scale, found_inf, scales, lr)
 
 
 def quantized_step_list_(held, params: list, grads: list, hyper: list, grad_scale: Optional[torch.Tensor] = None,
-                         found_inf: Optional[torch.Tensor] = None) -> None:
+                         found_inf: Optional[torch.Tensor] = None, lr: Optional[torch.Tensor] = None) -> None:
     """quantized_step_ on the states that ``held`` (a torch.classes.pagedopt.QuantizedStateList)
     holds. An eager call with a real held object goes straight to the op's C++ entry point:
     torch's Python entry point of an op with a custom-class argument first walks every element of
@@ -66,9 +67,9 @@ def quantized_step_list_(held, params: list, grads: list, hyper: list, grad_scal
     2.00 ms against 1.45 ms per call for 2000 one-element parameters (about 0.14 us per tensor of
     the two lists). Under tracing (a FakeScriptObject) it goes the usual way."""
     if isinstance(held, torch.ScriptObject):
-        _QUANTIZED_STEP_LIST(held, params, grads, hyper, grad_scale, found_inf, None)
+        _QUANTIZED_STEP_LIST(held, params, grads, hyper, grad_scale, found_inf, None, lr)
     else:
-        ops.quantized_step_list_(held, params, grads, hyper, grad_scale, found_inf)
+        ops.quantized_step_list_(held, params, grads, hyper, grad_scale, found_inf, None, lr)
 
 
 _QUANTIZED_STEP_LIST = ops.quantized_step_list_.default._op
@@ -77,12 +78,13 @@ _QUANTIZED_STEP_LIST = ops.quantized_step_list_.default._op
 def quantized_update_norm_(algorithm: str, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                            states: Sequence[Sequence[torch.Tensor]], absmax: Sequence[Sequence[torch.Tensor]], steps,
                            qmaps: Sequence[torch.Tensor], hyper: Sequence[float], norms: torch.Tensor, *,
-                           grad_scale: Optional[torch.Tensor] = None) -> None:
+                           grad_scale: Optional[torch.Tensor] = None, lr: Optional[torch.Tensor] = None) -> None:
     """The norm pass of lars and lamb: ``norms`` (float64, one per parameter) receives the sum of
-    squares of each parameter's update direction; nothing else changes."""
+    squares of each parameter's update direction; nothing else changes. ``lr`` as for
+    quantized_step_."""
     ops.quantized_update_norm_(algorithm, list(params), list(grads), [t for key in states for t in key],
                                [t for key in absmax for t in key], list(steps), list(qmaps),
-                               [float(h) for h in hyper], grad_scale, norms)
+                               [float(h) for h in hyper], grad_scale, norms, lr)
 
 
 @torch.library.register_fake("pagedopt::quantize_blockwise")
@@ -144,13 +146,14 @@ def _advise_fake(t, to):
 
 @torch.library.register_fake("pagedopt::quantized_step_")
 def _quantized_step_fake(algorithm, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf,
-                         scales=None):
+                         scales=None, lr=None):
     torch._check(len(grads) == len(params) and len(steps) == len(params))
     return None
 
 
 @torch.library.register_fake("pagedopt::quantized_update_norm_")
-def _quantized_update_norm_fake(algorithm, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, norms):
+def _quantized_update_norm_fake(algorithm, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, norms,
+                                lr=None):
     torch._check(len(grads) == len(params) and norms.numel() == len(params))
     return None
 
@@ -172,7 +175,7 @@ class FakeQuantizedStateList:
 
 
 @torch.library.register_fake("pagedopt::quantized_step_list_")
-def _quantized_step_list_fake(states, params, grads, hyper, grad_scale, found_inf, scales=None):
+def _quantized_step_list_fake(states, params, grads, hyper, grad_scale, found_inf, scales=None, lr=None):
     # The states held by `states` are updated in place too, which a schema cannot annotate (they
     # are inside a custom class): a traced graph sees this op as mutating params only (it is
     # auto-functionalized; an op with mutable arguments gets no effect token), so a graph that also

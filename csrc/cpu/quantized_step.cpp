@@ -165,27 +165,39 @@ void quantized_step_cpu_unchecked(const std::string& name, at::TensorList params
 
 namespace {
 
+// hyper with hyper[0] (every algorithm's lr) read from the `lr` tensor, when there is one.
+std::vector<double> hyper_with_lr(c10::ArrayRef<double> hyper, const std::optional<at::Tensor>& lr) {
+  std::vector<double> h(hyper.begin(), hyper.end());
+  if (lr.has_value() && !h.empty()) h[0] = lr->item<double>();
+  return h;
+}
+
 void quantized_step_cpu(c10::string_view algorithm, at::TensorList params, at::TensorList grads,
                         at::TensorList states, at::TensorList absmax, at::TensorList steps, at::TensorList qmaps,
                         c10::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_scale,
-                        const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& scales) {
+                        const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& scales,
+                        const std::optional<at::Tensor>& lr) {
   const std::string name(algorithm);
   const bool eight_bit =
       check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf, scales);
-  quantized_step_cpu_unchecked(name, params, grads, states, absmax, steps, qmaps, hyper, eight_bit, grad_scale,
-                               found_inf, scales);
+  check_lr_tensor(lr, params, "quantized_step_");
+  quantized_step_cpu_unchecked(name, params, grads, states, absmax, steps, qmaps, hyper_with_lr(hyper, lr), eight_bit,
+                               grad_scale, found_inf, scales);
 }
 
 void quantized_update_norm_cpu(c10::string_view algorithm, at::TensorList params, at::TensorList grads,
                                at::TensorList states, at::TensorList absmax, at::TensorList steps,
                                at::TensorList qmaps, c10::ArrayRef<double> hyper,
-                               const std::optional<at::Tensor>& grad_scale, const at::Tensor& norms) {
+                               const std::optional<at::Tensor>& grad_scale, const at::Tensor& norms,
+                               const std::optional<at::Tensor>& lr) {
   const std::string name(algorithm);
   const bool eight_bit = check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale,
                                               std::nullopt, norms, "norms", at::kDouble);
+  check_lr_tensor(lr, params, "quantized_update_norm_");
   const float inv_scale = grad_scale.has_value() ? 1.0f / grad_scale->item<float>() : 1.0f;
   OptimizerHyper h{};
-  std::copy(hyper.begin(), hyper.end(), h.v);
+  const std::vector<double> hyper_lr = hyper_with_lr(hyper, lr);
+  std::copy(hyper_lr.begin(), hyper_lr.end(), h.v);
   double* out = norms.data_ptr<double>();
   with_algorithm(name, [&](auto algo) {
     using Algo = decltype(algo);

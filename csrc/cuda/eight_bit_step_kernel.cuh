@@ -53,6 +53,8 @@ struct StepArgs {
   const float* grad_scale;  // nullptr when absent
   const float* found_inf;   // nullptr when absent
   OptimizerHyper hyper;
+  const float* lr_f32;      // the learning rate in place of hyper.v[0] (capturable steps), or nullptr
+  const double* lr_f64;     // likewise, a float64 lr tensor
 };
 
 // 1024 threads of 64 registers; an algorithm with three moments holds 24 of them per lane and

@@ -18,13 +18,16 @@ at::Tensor dequantize_blockwise_cuda_unchecked(const at::Tensor& codes, const at
 
 // The generic quantized-state step (csrc/cuda/quantized_step.cu); `eight_bit` as
 // check_quantized_step returned it. With `norms`, the norm pass instead (quantized_update_norm_):
-// nothing but `norms` is written.
+// nothing but `norms` is written. `lr` (checked by check_lr_tensor): read by the setup kernel in
+// place of hyper[0]. Inside CUDA graph capture the metadata goes up from page-locked memory that is
+// kept for the life of the process (the graph's copy reads it again at every replay).
 void quantized_step_cuda_unchecked(const std::string& algorithm, at::TensorList params, at::TensorList grads,
                                    at::TensorList states, at::TensorList absmax, at::TensorList steps,
                                    at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
                                    const std::optional<at::Tensor>& grad_scale,
                                    const std::optional<at::Tensor>& found_inf,
                                    const std::optional<at::Tensor>& scales = std::nullopt,
-                                   const std::optional<at::Tensor>& norms = std::nullopt);
+                                   const std::optional<at::Tensor>& norms = std::nullopt,
+                                   const std::optional<at::Tensor>& lr = std::nullopt);
 
 }  // namespace pagedopt

@@ -43,29 +43,33 @@ void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
 void quantized_step_cuda(c10::string_view algorithm, at::TensorList params, at::TensorList grads,
                          at::TensorList states, at::TensorList absmax, at::TensorList steps, at::TensorList qmaps,
                          c10::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_scale,
-                         const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& scales) {
+                         const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& scales,
+                         const std::optional<at::Tensor>& lr) {
   const std::string name(algorithm);
   const bool eight_bit =
       check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf, scales);
+  check_lr_tensor(lr, params, "quantized_step_");
   if (!params.empty()) {
     TORCH_CHECK(params[0].is_cuda(), "quantized_step_: the CUDA kernel got tensors on ", params[0].device());
   }
   quantized_step_cuda_unchecked(name, params, grads, states, absmax, steps, qmaps, hyper, eight_bit, grad_scale,
-                                found_inf, scales);
+                                found_inf, scales, std::nullopt, lr);
 }
 
 void quantized_update_norm_cuda(c10::string_view algorithm, at::TensorList params, at::TensorList grads,
                                 at::TensorList states, at::TensorList absmax, at::TensorList steps,
                                 at::TensorList qmaps, c10::ArrayRef<double> hyper,
-                                const std::optional<at::Tensor>& grad_scale, const at::Tensor& norms) {
+                                const std::optional<at::Tensor>& grad_scale, const at::Tensor& norms,
+                                const std::optional<at::Tensor>& lr) {
   const std::string name(algorithm);
   const bool eight_bit = check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale,
                                               std::nullopt, norms, "norms", at::kDouble);
+  check_lr_tensor(lr, params, "quantized_update_norm_");
   if (!params.empty()) {
     TORCH_CHECK(params[0].is_cuda(), "quantized_update_norm_: the CUDA kernel got tensors on ", params[0].device());
   }
   quantized_step_cuda_unchecked(name, params, grads, states, absmax, steps, qmaps, hyper, eight_bit, grad_scale,
-                                std::nullopt, std::nullopt, norms);
+                                std::nullopt, std::nullopt, norms, lr);
 }
 
 }  // namespace

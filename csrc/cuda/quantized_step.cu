@@ -17,11 +17,15 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -69,7 +73,10 @@ __global__ void __launch_bounds__(kTableThreads) engine_setup_kernel(const StepA
   const int i = (blockIdx.x - table_blocks) * blockDim.x + threadIdx.x;
   if (i >= ntensors) return;
   const TensorMeta& m = args.meta[i];
-  auto c = Algo::constants(args.hyper, static_cast<double>(*m.step));
+  OptimizerHyper hyper = args.hyper;
+  if (args.lr_f32 != nullptr) hyper.v[0] = static_cast<double>(*args.lr_f32);
+  if (args.lr_f64 != nullptr) hyper.v[0] = *args.lr_f64;
+  auto c = Algo::constants(hyper, static_cast<double>(*m.step));
   if constexpr (has_update_norm<Algo>::value) {
     if (m.scale != nullptr) c.update_scale = *m.scale;
   }
@@ -220,11 +227,48 @@ void launch(const StepArgs<Algo>& args, bool eight_bit, bool norm_pass, int devi
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Whether work queued on `stream` now is being captured into a CUDA graph.
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// Page-locked host memory for a step's metadata table. Outside graph capture, from the caching host
+// allocator, which keeps it until the copy that reads it is done (copy_ records the stream). Inside
+// capture the graph's copy reads it again at every replay, so it is a buffer of our own that is
+// never freed (a few hundred bytes per tensor per captured step), allocated in relaxed capture
+// mode (allocation is refused in global mode, as torch's allocators do it).
+at::Tensor metadata_host_buffer(int64_t bytes, bool in_capture) {
+  if (!in_capture) return at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  static std::mutex mutex;
+  static std::vector<void*> kept;  // read by captured graphs for as long as they may be replayed
+  void* buffer = nullptr;
+  {
+    const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
+    const std::lock_guard<std::mutex> lock(mutex);
+    C10_CUDA_CHECK(cudaHostAlloc(&buffer, static_cast<size_t>(bytes), cudaHostAllocDefault));
+    kept.push_back(buffer);
+  }
+  return at::from_blob(buffer, {bytes}, at::TensorOptions().dtype(at::kByte));
+}
+
+// The metadata table `host` (from metadata_host_buffer) into `dev` on `stream`.
+void upload_metadata(const at::Tensor& dev, const at::Tensor& host, bool in_capture, cudaStream_t stream) {
+  if (!in_capture) {
+    dev.copy_(host, /*non_blocking=*/true);
+    return;
+  }
+  C10_CUDA_CHECK(cudaMemcpyAsync(dev.data_ptr(), host.data_ptr(), static_cast<size_t>(host.numel()),
+                                 cudaMemcpyHostToDevice, stream));
+}
+
 template <typename Algo>
 void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList states, at::TensorList absmax,
                     at::TensorList steps, at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
                     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
-                    const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& norms) {
+                    const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& norms,
+                    const std::optional<at::Tensor>& lr) {
   static_assert(Algo::kKeys <= kMaxKeys, "raise kMaxKeys");
   using Constants = typename Algo::Constants;
   const size_t n = params.size();
@@ -246,7 +290,9 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
   // Host metadata: [meta: total entries][starts: per group, n_g + 1 entries], one H2D copy.
   const size_t meta_bytes = total * sizeof(TensorMeta);
   const int64_t bytes = static_cast<int64_t>(meta_bytes + (total + kGroups) * sizeof(int64_t));
-  at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool in_capture = capturing(stream);
+  at::Tensor host = metadata_host_buffer(bytes, in_capture);
   auto* hmeta = reinterpret_cast<TensorMeta*>(host.data_ptr());
   auto* hstarts = reinterpret_cast<int64_t*>(static_cast<uint8_t*>(host.data_ptr()) + meta_bytes);
   const auto addr = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr); };
@@ -287,7 +333,7 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
   }
   const auto byte_opts = at::TensorOptions().dtype(at::kByte).device(device);
   at::Tensor dev = at::empty({bytes}, byte_opts);
-  dev.copy_(host, /*non_blocking=*/true);  // the caching host allocator keeps `host` alive until it is done
+  upload_metadata(dev, host, in_capture, stream);
   const auto* dmeta = reinterpret_cast<const TensorMeta*>(dev.data_ptr());
   const auto* dstarts = reinterpret_cast<const int64_t*>(static_cast<const uint8_t*>(dev.data_ptr()) + meta_bytes);
 
@@ -303,9 +349,15 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
   // the norm pass ignores found_inf (its result is not used when the step is skipped)
   args.found_inf = found_inf.has_value() && !norms.has_value() ? found_inf->data_ptr<float>() : nullptr;
   std::copy(hyper.begin(), hyper.end(), args.hyper.v);
+  if (lr.has_value()) {
+    if (lr->scalar_type() == at::kDouble) {
+      args.lr_f64 = lr->data_ptr<double>();
+    } else {
+      args.lr_f32 = lr->data_ptr<float>();
+    }
+  }
   args.meta = dmeta;
 
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int table_blocks = tables ? Algo::kKeys * kTableBlocks : 0;
   const int const_blocks = static_cast<int>(ceil_div(static_cast<int64_t>(total), int64_t{kTableThreads}));
   engine_setup_kernel<Algo><<<table_blocks + const_blocks, kTableThreads, 0, stream>>>(
@@ -342,12 +394,12 @@ void quantized_step_cuda_unchecked(const std::string& algorithm, at::TensorList 
                                    at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
                                    const std::optional<at::Tensor>& grad_scale,
                                    const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& scales,
-                                   const std::optional<at::Tensor>& norms) {
+                                   const std::optional<at::Tensor>& norms, const std::optional<at::Tensor>& lr) {
   if (params.empty()) return;
   if (norms.has_value()) norms->zero_();  // the norm pass adds into it
   with_algorithm(algorithm, [&](auto algo) {
     step_algorithm<decltype(algo)>(params, grads, states, absmax, steps, qmaps, hyper, eight_bit, grad_scale,
-                                   found_inf, scales, norms);
+                                   found_inf, scales, norms, lr);
   });
 }
 

@@ -27,14 +27,16 @@ class AdagradBase(QuantizedOptimizer):
 
     def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0, weight_decay: float = 0,
                  initial_accumulator_value: float = 0, eps: float = 1e-10, optim_bits: int = 32, args: Any = None,
-                 min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True):
+                 min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True,
+                 capturable: bool = False):
         if self._bits is not None and optim_bits != self._bits:
             raise ValueError(f"optim_bits={optim_bits!r} is not valid for {type(self).__name__} (it keeps "
                              f"{self._bits}-bit states)")
         defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                         initial_accumulator_value=initial_accumulator_value, eps=eps, optim_bits=optim_bits,
                         min_8bit_size=min_8bit_size)
-        super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping, block_wise=block_wise)
+        super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping, block_wise=block_wise,
+                         capturable=capturable)
 
 
 class Adagrad(AdagradBase):
@@ -48,9 +50,10 @@ class Adagrad8bit(AdagradBase):
 
     def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0, weight_decay: float = 0,
                  initial_accumulator_value: float = 0, eps: float = 1e-10, optim_bits: int = 8, args: Any = None,
-                 min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True):
+                 min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True,
+                 capturable: bool = False):
         super().__init__(params, lr, lr_decay, weight_decay, initial_accumulator_value, eps, optim_bits, args,
-                         min_8bit_size, percentile_clipping, block_wise)
+                         min_8bit_size, percentile_clipping, block_wise, capturable=capturable)
 
 
 class Adagrad32bit(AdagradBase):

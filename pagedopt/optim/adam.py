@@ -15,6 +15,7 @@ from .. import _ops
 from .algorithm import AlgorithmSpec, StateSpec
 from .base import QuantizedOptimizer, _Bucket
 from .bucket_chunks import flat_parts, flat_runs
+from .capture import lr_tensor
 
 # fp32 copies of 16-bit params and grads for torch's fused 32-bit step: at most this many elements
 # at a time (2 x 4 bytes each: 64 MiB), tensors cut at multiples of _FP32_COPY_ALIGN elements (torch's
@@ -39,13 +40,13 @@ class AdamBase(QuantizedOptimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, optim_bits: int = 32, args: Any = None,
                  min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True,
-                 is_paged: bool = False):
+                 is_paged: bool = False, capturable: bool = False):
         if amsgrad:
             raise ValueError("amsgrad=True is not supported by pagedopt optimizers")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, optim_bits=optim_bits,
                         min_8bit_size=min_8bit_size)
         super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping, block_wise=block_wise,
-                         is_paged=is_paged)
+                         is_paged=is_paged, capturable=capturable)
 
     def _engine_hyper(self, group: dict) -> list:
         """The Adam functor's hyper list: lr, beta1, beta2, eps, weight_decay, decoupled."""
@@ -69,9 +70,12 @@ class AdamBase(QuantizedOptimizer):
         """32-bit states reuse torch's fused Adam/AdamW kernel (CPU and CUDA), on plain (local) tensors."""
         beta1, beta2 = group["betas"]
         fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        lr = lr_tensor(group, bucket.gi, bucket.device)  # a tensor on the params' device: read there (capturable)
+        if lr is not None and lr.dtype != torch.float32:
+            lr = lr.float()  # torch's fused kernel reads a float32 lr tensor
         for params, work_params, work_grads, (state1, state2, steps) in self._bucket_chunks(bucket, params, grads,
                                                                                               contiguous):
-            hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+            hyper = dict(lr=float(group["lr"]) if lr is None else lr, beta1=float(beta1), beta2=float(beta2),
                          weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), amsgrad=False,
                          maximize=False, grad_scale=grad_scale, found_inf=found_inf)
             if work_params[0].dtype == torch.float32:
@@ -98,9 +102,9 @@ class Adam(AdamBase):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False,
                  optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
-                 is_paged=False):
+                 is_paged=False, capturable: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size,
-                         percentile_clipping, block_wise, is_paged)
+                         percentile_clipping, block_wise, is_paged, capturable=capturable)
 
 
 class Adam8bit(AdamBase):
@@ -111,9 +115,9 @@ class Adam8bit(AdamBase):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False,
                  optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
-                 is_paged=False):
+                 is_paged=False, capturable: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size,
-                         percentile_clipping, block_wise, is_paged)
+                         percentile_clipping, block_wise, is_paged, capturable=capturable)
 
 
 class Adam32bit(AdamBase):
@@ -124,9 +128,9 @@ class Adam32bit(AdamBase):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False,
                  optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
-                 is_paged=False):
+                 is_paged=False, capturable: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size,
-                         percentile_clipping, block_wise, is_paged)
+                         percentile_clipping, block_wise, is_paged, capturable=capturable)
 
 
 class PagedAdam(AdamBase):
@@ -135,9 +139,10 @@ class PagedAdam(AdamBase):
     decoupled = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False,
-                 optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True):
+                 optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
+                 capturable: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size,
-                         percentile_clipping, block_wise, True)
+                         percentile_clipping, block_wise, True, capturable=capturable)
 
 
 class PagedAdam8bit(AdamBase):
@@ -147,9 +152,10 @@ class PagedAdam8bit(AdamBase):
     _bits = 8
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False,
-                 optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True):
+                 optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
+                 capturable: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size,
-                         percentile_clipping, block_wise, True)
+                         percentile_clipping, block_wise, True, capturable=capturable)
 
 
 class PagedAdam32bit(AdamBase):
@@ -159,9 +165,10 @@ class PagedAdam32bit(AdamBase):
     _bits = 32
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False,
-                 optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True):
+                 optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
+                 capturable: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size,
-                         percentile_clipping, block_wise, True)
+                         percentile_clipping, block_wise, True, capturable=capturable)
 
 
 class AdamW(AdamBase):
@@ -171,9 +178,9 @@ class AdamW(AdamBase):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
                  optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
-                 is_paged=False):
+                 is_paged=False, capturable: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size,
-                         percentile_clipping, block_wise, is_paged)
+                         percentile_clipping, block_wise, is_paged, capturable=capturable)
 
 
 class AdamW8bit(AdamBase):
@@ -184,9 +191,9 @@ class AdamW8bit(AdamBase):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
                  optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
-                 is_paged=False):
+                 is_paged=False, capturable: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size,
-                         percentile_clipping, block_wise, is_paged)
+                         percentile_clipping, block_wise, is_paged, capturable=capturable)
 
 
 class AdamW32bit(AdamBase):
@@ -197,9 +204,9 @@ class AdamW32bit(AdamBase):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
                  optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
-                 is_paged=False):
+                 is_paged=False, capturable: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size,
-                         percentile_clipping, block_wise, is_paged)
+                         percentile_clipping, block_wise, is_paged, capturable=capturable)
 
 
 class PagedAdamW(AdamBase):
@@ -208,9 +215,10 @@ class PagedAdamW(AdamBase):
     decoupled = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
-                 optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True):
+                 optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
+                 capturable: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size,
-                         percentile_clipping, block_wise, True)
+                         percentile_clipping, block_wise, True, capturable=capturable)
 
 
 class PagedAdamW8bit(AdamBase):
@@ -220,9 +228,10 @@ class PagedAdamW8bit(AdamBase):
     _bits = 8
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
-                 optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True):
+                 optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
+                 capturable: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size,
-                         percentile_clipping, block_wise, True)
+                         percentile_clipping, block_wise, True, capturable=capturable)
 
 
 class PagedAdamW32bit(AdamBase):
@@ -232,6 +241,7 @@ class PagedAdamW32bit(AdamBase):
     _bits = 32
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
-                 optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True):
+                 optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
+                 capturable: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size,
-                         percentile_clipping, block_wise, True)
+                         percentile_clipping, block_wise, True, capturable=capturable)

@@ -34,10 +34,12 @@ class AdEMAMixBase(QuantizedOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999, 0.9999), alpha: float = 5.0,
                  t_alpha: Optional[int] = None, t_beta3: Optional[int] = None, eps: float = 1e-8,
-                 weight_decay: float = 1e-2, optim_bits: int = 32, min_8bit_size: int = 4096, is_paged: bool = False):
+                 weight_decay: float = 1e-2, optim_bits: int = 32, min_8bit_size: int = 4096, is_paged: bool = False,
+                 capturable: bool = False):
         defaults = dict(lr=lr, betas=betas, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
                         weight_decay=weight_decay, optim_bits=optim_bits, min_8bit_size=min_8bit_size)
-        super().__init__(params, defaults, is_paged=is_paged if self._paged is None else self._paged)
+        super().__init__(params, defaults, is_paged=is_paged if self._paged is None else self._paged,
+                         capturable=capturable)
 
 
 class AdEMAMix(AdEMAMixBase):
@@ -51,8 +53,10 @@ class AdEMAMix8bit(AdEMAMixBase):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999, 0.9999), alpha: float = 5.0,
                  t_alpha: Optional[int] = None, t_beta3: Optional[int] = None, eps: float = 1e-8,
-                 weight_decay: float = 1e-2, min_8bit_size: int = 4096, is_paged: bool = False):
-        super().__init__(params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, 8, min_8bit_size, is_paged)
+                 weight_decay: float = 1e-2, min_8bit_size: int = 4096, is_paged: bool = False,
+                 capturable: bool = False):
+        super().__init__(params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, 8, min_8bit_size, is_paged,
+                         capturable=capturable)
 
 
 class AdEMAMix32bit(AdEMAMix8bit):
@@ -62,9 +66,10 @@ class AdEMAMix32bit(AdEMAMix8bit):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999, 0.9999), alpha: float = 5.0,
                  t_alpha: Optional[int] = None, t_beta3: Optional[int] = None, eps: float = 1e-8,
-                 weight_decay: float = 1e-2, min_8bit_size: int = 4096, is_paged: bool = False):
+                 weight_decay: float = 1e-2, min_8bit_size: int = 4096, is_paged: bool = False,
+                 capturable: bool = False):
         AdEMAMixBase.__init__(self, params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, 32, min_8bit_size,
-                              is_paged)
+                              is_paged, capturable=capturable)
 
 
 class PagedAdEMAMix(AdEMAMixBase):
@@ -74,8 +79,9 @@ class PagedAdEMAMix(AdEMAMixBase):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999, 0.9999), alpha: float = 5.0,
                  t_alpha: Optional[int] = None, t_beta3: Optional[int] = None, eps: float = 1e-8,
-                 weight_decay: float = 1e-2, optim_bits: int = 32, min_8bit_size: int = 4096):
-        super().__init__(params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, optim_bits, min_8bit_size)
+                 weight_decay: float = 1e-2, optim_bits: int = 32, min_8bit_size: int = 4096, capturable: bool = False):
+        super().__init__(params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, optim_bits, min_8bit_size,
+                         capturable=capturable)
 
 
 class PagedAdEMAMix8bit(AdEMAMixBase):
@@ -86,8 +92,9 @@ class PagedAdEMAMix8bit(AdEMAMixBase):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999, 0.9999), alpha: float = 5.0,
                  t_alpha: Optional[int] = None, t_beta3: Optional[int] = None, eps: float = 1e-8,
-                 weight_decay: float = 1e-2, min_8bit_size: int = 4096):
-        super().__init__(params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, 8, min_8bit_size)
+                 weight_decay: float = 1e-2, min_8bit_size: int = 4096, capturable: bool = False):
+        super().__init__(params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, 8, min_8bit_size,
+                         capturable=capturable)
 
 
 class PagedAdEMAMix32bit(PagedAdEMAMix8bit):
@@ -97,5 +104,6 @@ class PagedAdEMAMix32bit(PagedAdEMAMix8bit):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999, 0.9999), alpha: float = 5.0,
                  t_alpha: Optional[int] = None, t_beta3: Optional[int] = None, eps: float = 1e-8,
-                 weight_decay: float = 1e-2, min_8bit_size: int = 4096):
-        AdEMAMixBase.__init__(self, params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, 32, min_8bit_size)
+                 weight_decay: float = 1e-2, min_8bit_size: int = 4096, capturable: bool = False):
+        AdEMAMixBase.__init__(self, params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, 32, min_8bit_size,
+                              capturable=capturable)

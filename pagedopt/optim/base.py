@@ -30,6 +30,7 @@ from ..quant import STATE_BLOCK_SIZE, dynamic_codebook
 from . import checkpoint, sharding
 from .algorithm import AlgorithmSpec
 from .bucket_chunks import bucket_chunks, write_back
+from .capture import capture_check, capturing as _capturing, lr_tensor
 from .byte_sizes import optimizer_state_bytes  # noqa: F401  (public here)
 from .pager_control import PAGED_SLAB_BYTES as _PAGED_SLAB_BYTES, PagerControl
 from .hyperparameters import check_hyperparameters
@@ -82,7 +83,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
 
     def __init__(self, params, defaults: dict, *, args: Any = None, percentile_clipping: int = 100,
-                 block_wise: bool = True, is_paged: bool = False):
+                 block_wise: bool = True, is_paged: bool = False, capturable: bool = False):
         if args is not None:
             raise ValueError("args (a bitsandbytes GlobalOptimManager config) is not supported; "
                              "pass the settings as keyword arguments or per param group")
@@ -92,6 +93,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         if not block_wise:
             raise ValueError("block_wise=False is not supported: states are always quantized in blocks of 256")
         defaults["optim_bits"] = self._fixed_bits(defaults["optim_bits"])
+        defaults["capturable"] = capturable
         self._check_hyperparameters(defaults, "argument")
         self._start_runtime(is_paged)
         super().__init__(params, defaults)
@@ -246,6 +248,8 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         # (FSDP2) are checked, and updated, through their local shards: whether there are any is
         # decided once per plan, so a plain run pays nothing for it.
         plan = self._cached_plan(params)
+        if _capturing(params[0]):
+            capture_check(self, plan, params)
         sharded = plan.sharded if plan is not None else sharding.has_dtensor(params)
         work_params, work_grads = sharding.local_tensors(params, grads, lambda p, g: raise_bad_sharding(self.param_groups, p, g)) if sharded else (params, grads)
         verdict = _ops.check_grads(work_params, work_grads)
@@ -358,16 +362,17 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
             self._step_stateless(group, params, grads, grad_scale, found_inf)
             return
         spec = self.algorithm
-        hyper = self._engine_hyper(group)
+        lr = lr_tensor(group, bucket.gi, bucket.device)
+        hyper = self._engine_hyper(group if lr is None else {**group, "lr": 0.0})
         if contiguous and (self._pager is None or self._pager.all_resident()):
-            _ops.quantized_step_list_(bucket.held, params, grads, hyper, grad_scale, found_inf)
+            _ops.quantized_step_list_(bucket.held, params, grads, hyper, grad_scale, found_inf, lr)
             return
         n_keys = len(spec.states)
         qmaps = [bucket.states[0][q] for q in spec.qmap_keys] if bucket.eight_bit else []
         for params, work_params, work_grads, lists in self._bucket_chunks(bucket, params, grads, contiguous):
             absmax = lists[n_keys:2 * n_keys] if bucket.eight_bit else []
             _ops.quantized_step_(spec.engine, work_params, work_grads, lists[:n_keys], absmax, lists[-1], qmaps,
-                                 hyper, grad_scale=grad_scale, found_inf=found_inf)
+                                 hyper, grad_scale=grad_scale, found_inf=found_inf, lr=lr)
             if work_params is not params:
                 self._write_back(params, work_params)
 

@@ -177,6 +177,10 @@ def read_group(opt: "QuantizedOptimizer", gi: int, saved: Any, current: dict) ->
         opt._check_hyperparameters(group, where)
     except ValueError as e:
         raise refuse(str(e)) from None
+    mine = current.get("lr")
+    if isinstance(mine, torch.Tensor) and group["lr"] is not mine:
+        # a tensor lr (capturable steps) stays a tensor of this optimizer's dtype and device, holding the saved value
+        group["lr"] = torch.tensor(float(group["lr"]), dtype=mine.dtype, device=mine.device)
     group["params"] = current["params"]
     return group
 

@@ -24,8 +24,9 @@ def check_hyperparameters(h: dict, where: str, n_betas: int = 2, has_eps: bool =
             raise ValueError(f"Invalid {name(key)}: missing")
     lr = h["lr"]
     if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"Invalid {name('lr')}: a tensor of shape {tuple(lr.shape)} (must be a float)")
+        if lr.numel() != 1 or lr.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"Invalid {name('lr')}: a {lr.dtype} tensor of shape {tuple(lr.shape)} (must be a float "
+                             "or a one-element float32 / float64 tensor)")
     elif not math.isfinite(number("lr")) or lr < 0:
         raise ValueError(f"Invalid {name('lr')}: {lr!r} (must be a finite float >= 0)")
     betas = h["betas"] if n_betas else ()
@@ -44,5 +45,8 @@ def check_hyperparameters(h: dict, where: str, n_betas: int = 2, has_eps: bool =
     m = h["min_8bit_size"]
     if not isinstance(m, int) or isinstance(m, bool) or m < 0:
         raise ValueError(f"Invalid {name('min_8bit_size')}: {m!r} (must be an int >= 0)")
+    capturable = h.get("capturable", False)
+    if not isinstance(capturable, bool):
+        raise ValueError(f"Invalid {name('capturable')}: {capturable!r} (must be True or False)")
     if extra is not None:
         extra(h, name)

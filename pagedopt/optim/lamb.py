@@ -32,7 +32,7 @@ class LAMBBase(ScaledByUpdateNorm):
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0, amsgrad: bool = False, adam_w_mode: bool = True, optim_bits: int = 32,
                  args: Any = None, min_8bit_size: int = 4096, percentile_clipping: int = 100,
-                 block_wise: bool = False, max_unorm: float = 1.0):
+                 block_wise: bool = False, max_unorm: float = 1.0, capturable: bool = False):
         if amsgrad:
             raise ValueError(f"Invalid amsgrad: True ({type(self).__name__} does not support amsgrad)")
         if self._bits == 8 and max_unorm != 1.0:
@@ -41,7 +41,7 @@ class LAMBBase(ScaledByUpdateNorm):
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
                         adam_w_mode=adam_w_mode, max_unorm=max_unorm, optim_bits=optim_bits,
                         min_8bit_size=min_8bit_size)
-        super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping)
+        super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping, capturable=capturable)
 
 
 class LAMB(LAMBBase):
@@ -56,9 +56,9 @@ class LAMB8bit(LAMBBase):
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0, amsgrad: bool = False, adam_w_mode: bool = True, args: Any = None,
                  min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = False,
-                 max_unorm: float = 1.0):
+                 max_unorm: float = 1.0, capturable: bool = False):
         super().__init__(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adam_w_mode, self._bits, args,
-                         min_8bit_size, percentile_clipping, block_wise, max_unorm)
+                         min_8bit_size, percentile_clipping, block_wise, max_unorm, capturable=capturable)
 
 
 class LAMB32bit(LAMB8bit):

@@ -29,10 +29,10 @@ class LARSBase(ScaledByUpdateNorm):
 
     def __init__(self, params, lr, momentum: float = 0, dampening: float = 0, weight_decay: float = 0,
                  nesterov: bool = False, optim_bits: int = 32, args: Any = None, min_8bit_size: int = 4096,
-                 percentile_clipping: int = 100, max_unorm: float = 0.02):
+                 percentile_clipping: int = 100, max_unorm: float = 0.02, capturable: bool = False):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         max_unorm=max_unorm, optim_bits=optim_bits, min_8bit_size=min_8bit_size)
-        super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping)
+        super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping, capturable=capturable)
 
 
 class LARS(LARSBase):
@@ -46,9 +46,9 @@ class LARS8bit(LARSBase):
 
     def __init__(self, params, lr, momentum: float = 0, dampening: float = 0, weight_decay: float = 0,
                  nesterov: bool = False, args: Any = None, min_8bit_size: int = 4096, percentile_clipping: int = 100,
-                 max_unorm: float = 0.02):
+                 max_unorm: float = 0.02, capturable: bool = False):
         super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, self._bits, args, min_8bit_size,
-                         percentile_clipping, max_unorm)
+                         percentile_clipping, max_unorm, capturable=capturable)
 
 
 class LARS32bit(LARS8bit):

@@ -19,11 +19,11 @@ class LionBase(QuantizedOptimizer):
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0, optim_bits: int = 32,
                  args: Any = None, min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True,
-                 is_paged: bool = False):
+                 is_paged: bool = False, capturable: bool = False):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, optim_bits=optim_bits,
                         min_8bit_size=min_8bit_size)
         super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping, block_wise=block_wise,
-                         is_paged=is_paged if self._paged is None else self._paged)
+                         is_paged=is_paged if self._paged is None else self._paged, capturable=capturable)
 
 
 class Lion(LionBase):
@@ -37,9 +37,9 @@ class Lion8bit(LionBase):
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0, args: Any = None,
                  min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True,
-                 is_paged: bool = False):
+                 is_paged: bool = False, capturable: bool = False):
         super().__init__(params, lr, betas, weight_decay, self._bits, args, min_8bit_size, percentile_clipping,
-                         block_wise, is_paged)
+                         block_wise, is_paged, capturable=capturable)
 
 
 class Lion32bit(Lion8bit):
@@ -54,9 +54,10 @@ class PagedLion(LionBase):
     _paged = True
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0, optim_bits: int = 32,
-                 args: Any = None, min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True):
+                 args: Any = None, min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True,
+                 capturable: bool = False):
         super().__init__(params, lr, betas, weight_decay, optim_bits, args, min_8bit_size, percentile_clipping,
-                         block_wise)
+                         block_wise, capturable=capturable)
 
 
 class PagedLion8bit(LionBase):
@@ -66,9 +67,10 @@ class PagedLion8bit(LionBase):
     _paged = True
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0, args: Any = None,
-                 min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True):
+                 min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True,
+                 capturable: bool = False):
         super().__init__(params, lr, betas, weight_decay, self._bits, args, min_8bit_size, percentile_clipping,
-                         block_wise)
+                         block_wise, capturable=capturable)
 
 
 class PagedLion32bit(PagedLion8bit):

@@ -29,10 +29,12 @@ class RMSpropBase(QuantizedOptimizer):
 
     def __init__(self, params, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0,
                  momentum: float = 0, centered: bool = False, optim_bits: int = 32, args: Any = None,
-                 min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True):
+                 min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True,
+                 capturable: bool = False):
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, centered=centered,
                         optim_bits=optim_bits, min_8bit_size=min_8bit_size)
-        super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping, block_wise=block_wise)
+        super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping, block_wise=block_wise,
+                         capturable=capturable)
 
 
 class RMSprop(RMSpropBase):
@@ -46,9 +48,9 @@ class RMSprop8bit(RMSpropBase):
 
     def __init__(self, params, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0,
                  momentum: float = 0, centered: bool = False, args: Any = None, min_8bit_size: int = 4096,
-                 percentile_clipping: int = 100, block_wise: bool = True):
+                 percentile_clipping: int = 100, block_wise: bool = True, capturable: bool = False):
         super().__init__(params, lr, alpha, eps, weight_decay, momentum, centered, self._bits, args, min_8bit_size,
-                         percentile_clipping, block_wise)
+                         percentile_clipping, block_wise, capturable=capturable)
 
 
 class RMSprop32bit(RMSprop8bit):

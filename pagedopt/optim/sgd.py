@@ -7,6 +7,7 @@ import torch
 
 from .algorithm import AlgorithmSpec, StateSpec
 from .base import QuantizedOptimizer
+from .capture import lr_tensor
 
 
 def _check(h: dict, name) -> None:
@@ -35,10 +36,11 @@ class SGDBase(QuantizedOptimizer):
 
     def __init__(self, params, lr, momentum: float = 0, dampening: float = 0, weight_decay: float = 0,
                  nesterov: bool = False, optim_bits: int = 32, args: Any = None, min_8bit_size: int = 4096,
-                 percentile_clipping: int = 100, block_wise: bool = True):
+                 percentile_clipping: int = 100, block_wise: bool = True, capturable: bool = False):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         optim_bits=optim_bits, min_8bit_size=min_8bit_size)
-        super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping, block_wise=block_wise)
+        super().__init__(params, defaults, args=args, percentile_clipping=percentile_clipping, block_wise=block_wise,
+                         capturable=capturable)
 
     def _needs_states(self, config: dict) -> bool:
         return config["momentum"] != 0
@@ -46,7 +48,8 @@ class SGDBase(QuantizedOptimizer):
     def _step_stateless(self, group: dict, params, grads, grad_scale, found_inf) -> None:
         """Plain SGD (torch.optim.SGD with momentum = 0): p -= lr * (g + weight_decay * p), in fp32;
         GradScaler's found_inf keeps every parameter as it was (torch.where: no host synchronisation)."""
-        lr, wd = float(group["lr"]), float(group["weight_decay"])
+        lr_t = lr_tensor(group, 0, params[0].device) if params else None  # read on the device (capturable)
+        lr, wd = (0.0 if lr_t is not None else float(group["lr"])), float(group["weight_decay"])
         inv_scale = None if grad_scale is None else grad_scale.reciprocal()  # exact for GradScaler's powers of two
         for p, g in zip(params, grads):
             g32 = g.float()
@@ -55,7 +58,7 @@ class SGDBase(QuantizedOptimizer):
             p32 = p.float()
             if wd != 0:
                 g32 = g32.add(p32, alpha=wd)
-            new = p32.add(g32, alpha=-lr)
+            new = p32.add(g32, alpha=-lr) if lr_t is None else torch.addcmul(p32, g32, lr_t, value=-1)
             if found_inf is not None:
                 new = torch.where(found_inf > 0, p32, new)
             p.copy_(new)
@@ -72,9 +75,9 @@ class SGD8bit(SGDBase):
 
     def __init__(self, params, lr, momentum: float = 0, dampening: float = 0, weight_decay: float = 0,
                  nesterov: bool = False, args: Any = None, min_8bit_size: int = 4096, percentile_clipping: int = 100,
-                 block_wise: bool = True):
+                 block_wise: bool = True, capturable: bool = False):
         super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, self._bits, args, min_8bit_size,
-                         percentile_clipping, block_wise)
+                         percentile_clipping, block_wise, capturable=capturable)
 
 
 class SGD32bit(SGD8bit):

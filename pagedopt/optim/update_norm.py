@@ -15,6 +15,7 @@ import torch
 
 from .. import _ops
 from .base import QuantizedOptimizer, _Bucket
+from .capture import lr_tensor
 from .sharding import is_dtensor
 
 
@@ -44,14 +45,15 @@ class ScaledByUpdateNorm(QuantizedOptimizer):
             state["unorm_vec"] = torch.zeros((1,), dtype=torch.float32, device=p.device)
         return state
 
-    def _squares(self, spec, hyper, qmaps, work_params, work_grads, lists, eight_bit, grad_scale) -> torch.Tensor:
+    def _squares(self, spec, hyper, qmaps, work_params, work_grads, lists, eight_bit, grad_scale,
+                 lr=None) -> torch.Tensor:
         """(n, 2) float64: each tensor's sum of squares of its update direction and of its values."""
         n_keys = len(spec.states)
         absmax = lists[n_keys:2 * n_keys] if eight_bit else []
         squares = torch.empty((len(work_params), 2), dtype=torch.float64, device=work_params[0].device)
         norms = torch.empty(len(work_params), dtype=torch.float64, device=work_params[0].device)
         _ops.quantized_update_norm_(spec.engine, work_params, work_grads, lists[:n_keys], absmax, lists[-1], qmaps,
-                                    hyper, norms, grad_scale=grad_scale)
+                                    hyper, norms, grad_scale=grad_scale, lr=lr)
         squares[:, 0] = norms
         squares[:, 1] = torch.stack(torch._foreach_norm(work_params, 2, dtype=torch.float64)).square()
         return squares
@@ -59,7 +61,8 @@ class ScaledByUpdateNorm(QuantizedOptimizer):
     def _step_bucket(self, group: dict, bucket: _Bucket, params, grads, contiguous: bool, grad_scale,
                      found_inf) -> None:
         spec = self.algorithm
-        hyper = self._engine_hyper(group)
+        lr = lr_tensor(group, bucket.gi, bucket.device)
+        hyper = self._engine_hyper(group if lr is None else {**group, "lr": 0.0})
         max_unorm = float(group["max_unorm"])
         n_keys = len(spec.states)
         qmaps = [bucket.states[0][q] for q in spec.qmap_keys] if bucket.eight_bit else []
@@ -74,7 +77,7 @@ class ScaledByUpdateNorm(QuantizedOptimizer):
             squares = torch.zeros((len(params), 2), dtype=torch.float64, device=params[0].device)
             for chunk_params, work_params, work_grads, lists in chunks:
                 squares[[position[id(t)] for t in chunk_params]] = self._squares(
-                    spec, hyper, qmaps, work_params, work_grads, lists, bucket.eight_bit, grad_scale)
+                    spec, hyper, qmaps, work_params, work_grads, lists, bucket.eight_bit, grad_scale, lr)
             _sum_over_shards(bucket.params, squares)
         for chunk_params, work_params, work_grads, lists in chunks:
             index = [position[id(t)] for t in chunk_params]
@@ -82,13 +85,13 @@ class ScaledByUpdateNorm(QuantizedOptimizer):
                 chunk_squares = squares[index]
             else:
                 chunk_squares = self._squares(spec, hyper, qmaps, work_params, work_grads, lists, bucket.eight_bit,
-                                              grad_scale)
+                                              grad_scale, lr)
             unorm, pnorm = chunk_squares[:, 0].sqrt(), chunk_squares[:, 1].sqrt()
             limit = max_unorm * pnorm
             scales = torch.where((unorm > limit) & (max_unorm > 0), limit / unorm, torch.ones_like(unorm)).float()
             torch._foreach_copy_([bucket.states[j]["unorm_vec"] for j in index], list(unorm.float().unsqueeze(1)))
             absmax = lists[n_keys:2 * n_keys] if bucket.eight_bit else []
             _ops.quantized_step_(spec.engine, work_params, work_grads, lists[:n_keys], absmax, lists[-1], qmaps, hyper,
-                                 grad_scale=grad_scale, found_inf=found_inf, scales=scales)
+                                 grad_scale=grad_scale, found_inf=found_inf, scales=scales, lr=lr)
             if work_params is not chunk_params:
                 self._write_back(chunk_params, work_params)

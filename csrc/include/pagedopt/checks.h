@@ -199,4 +199,16 @@ inline bool check_quantized_step_args(int keys, const int* stacks, int hyper_cou
   return eight_bit;
 }
 
+// The `lr` tensor of quantized_step_ / quantized_update_norm_ (capturable steps): one float32 or
+// float64 element on the parameters' device.
+inline void check_lr_tensor(const std::optional<at::Tensor>& lr, at::TensorList params, const char* op) {
+  if (!lr.has_value() || params.empty()) return;
+  const at::Tensor& t = *lr;
+  TORCH_CHECK_VALUE((t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble) && t.numel() == 1, op,
+                    ": lr must be a float32 or float64 tensor with one element, got ", t.scalar_type(), " of shape ",
+                    t.sizes());
+  TORCH_CHECK_VALUE(t.device() == params[0].device(), op, ": lr is on ", t.device(), ", params on ",
+                    params[0].device());
+}
+
 }  // namespace pagedopt

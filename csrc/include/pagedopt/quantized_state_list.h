@@ -67,8 +67,10 @@ inline const auto kQuantizedStateListClass =
 template <auto step>
 void quantized_step_list(const c10::intrusive_ptr<QuantizedStateList>& s, at::TensorList params,
                          at::TensorList grads, c10::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_scale,
-                         const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& scales) {
-  step(s->algorithm, params, grads, s->states, s->absmax, s->steps, s->qmaps, hyper, grad_scale, found_inf, scales);
+                         const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& scales,
+                         const std::optional<at::Tensor>& lr) {
+  step(s->algorithm, params, grads, s->states, s->absmax, s->steps, s->qmaps, hyper, grad_scale, found_inf, scales,
+       lr);
 }
 
 }  // namespace pagedopt
