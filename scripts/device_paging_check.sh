@@ -33,13 +33,14 @@ if [ "${TEST_S:-170}" != 0 ]; then
 log "pytest -m cuda"
 timeout "${TEST_S:-170}" python3 -m pytest -m cuda -q -p no:cacheprovider ${TESTS:-tests/test_host_paging_cuda.py \
   tests/test_paging_cuda.py tests/test_optim_cuda.py tests/test_checkpoint_cuda.py} > "$OUT/pytest_cuda.log" 2>&1
-log "pytest rc=$?: $(tail -n 1 "$OUT/pytest_cuda.log")"; grep -E "^(FAILED|ERROR)|^E  " "$OUT/pytest_cuda.log" | head -"${FAIL_LINES:-20}"
+log "pytest rc=$?: $(tail -n 1 "$OUT/pytest_cuda.log")"; grep -E "passed|failed" "$OUT/pytest_cuda.log" | tail -n 2; grep -E "^(FAILED|ERROR)|^E  " "$OUT/pytest_cuda.log" | head -"${FAIL_LINES:-20}"
 fi
 if [ "${STEP_S:-150}" != 0 ]; then
   log "bench_step (TinyLlama-1.1B set, page-out rows)"
-  timeout "${STEP_S:-150}" python3 bench/bench_step.py --sets tinyllama --dtypes fp32 --no-torchao --no-plot \
-    --only "${STEP_ONLY:-pagedopt_paged,pagedopt_adamw8bit,torch_adamw_fused}" --out "$OUT" > "$OUT/bench_step.log" 2>&1
-  log "bench_step rc=$?"; tail -n 14 "$OUT/bench_step.log"
+  # STEP_ARGS replaces the default selection (sets, dtypes, --only) as a whole
+  timeout "${STEP_S:-150}" python3 bench/bench_step.py --no-torchao --no-plot --out "$OUT" ${STEP_ARGS:---sets tinyllama \
+    --dtypes fp32 --only ${STEP_ONLY:-pagedopt_paged,pagedopt_adamw8bit,torch_adamw_fused}} > "$OUT/bench_step.log" 2>&1
+  log "bench_step rc=$?"; tail -n "${STEP_LINES:-14}" "$OUT/bench_step.log"
 fi
 if [ "${TRAIN_S:-200}" != 0 ]; then
   log "bench_train"

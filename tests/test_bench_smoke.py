@@ -97,7 +97,8 @@ def test_bench_step_smoke(tmp_path):
 
 
 @pytest.mark.parametrize("isolate, children, order", [
-    ("case", 3, ["pagedopt_adamw8bit", "torch_adamw_fused", "pagedopt_lion8bit"]),      # the plan's order
+    # the plan's order; a child per case: the three and the two graph rows the prefixes select
+    ("case", 5, ["pagedopt_adamw8bit", "torch_adamw_fused", "pagedopt_lion8bit"]),
     ("library", 2, ["pagedopt_adamw8bit", "pagedopt_lion8bit", "torch_adamw_fused"])])  # a library's rows together
 def test_bench_step_isolated_cases(tmp_path, isolate, children, order):
     """--isolate (library by default on CUDA): the rows run in child processes of this script, one
@@ -109,9 +110,13 @@ def test_bench_step_isolated_cases(tmp_path, isolate, children, order):
                  "tinyllama", "--dtypes", "fp32", "--only", rows, "--out", str(out)])
     doc = json.loads((out / "bench_step.json").read_text())
     assert doc["isolated"] == isolate
-    assert [c["name"] for c in doc["cases"]] == order
+    graph_rows = [c for c in doc["cases"] if c["name"].endswith("_graph")]  # the prefixes select them too
+    assert sorted(c["name"] for c in graph_rows) == ["pagedopt_adamw8bit_graph", "torch_adamw_fused_graph"]
+    assert all(c["skipped"] == "a CUDA graph needs CUDA" for c in graph_rows)  # on the CPU
+    cases = [c for c in doc["cases"] if c not in graph_rows]
+    assert [c["name"] for c in cases] == order
     copy = doc["bandwidth"]["copy"]["gbps"]
-    for c in doc["cases"]:
+    for c in cases:
         assert not c.get("error") and _positive(c["median_ms"]) and c["finite"] is True, c
         assert math.isclose(c["frac_copy"], c["gbps"] / copy, rel_tol=1e-9), c  # the parent's probe
     progress = [line for line in proc.stdout.splitlines() if line.startswith("  pagedopt_lion8bit ")]

@@ -4,6 +4,7 @@ being captured in a CUDA graph (simulated: the capture probe patched) change not
 steps themselves run on the GPU: tests/test_capturable_cuda.py."""
 from __future__ import annotations
 
+import copy
 import inspect
 import io
 import os
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import pagedopt
-from pagedopt.optim import base as optim_base
+from pagedopt.optim import capture as capture_module
 
 OPTIMIZERS = [name for name in pagedopt.__all__
               if isinstance(getattr(pagedopt, name), type) and issubclass(getattr(pagedopt, name), torch.optim.Optimizer)
@@ -69,13 +70,15 @@ def test_the_classes_are_all_here():
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_every_class_takes_capturable_and_keeps_it_in_its_groups(name):
+def test_every_class_takes_capturable_and_keeps_bitsandbytes_group_keys(name):
     cls = getattr(pagedopt, name)
     assert inspect.signature(cls).parameters["capturable"].default is False
-    opt = cls(_params(0), lr=1e-3, **_kwargs(name))
-    assert opt.defaults["capturable"] is False and opt.param_groups[0]["capturable"] is False
+    plain = cls(_params(0), lr=1e-3, **_kwargs(name))
     opt = cls(_params(0), lr=torch.tensor(1e-3), capturable=True, **_kwargs(name))
-    assert opt.param_groups[0]["capturable"] is True
+    assert plain.capturable is False and opt.capturable is True
+    # the flag is the optimizer's: param groups and checkpoints keep the keys bitsandbytes writes
+    assert "capturable" not in opt.param_groups[0] and set(opt.param_groups[0]) == set(plain.param_groups[0])
+    assert copy.deepcopy(opt).capturable is True and copy.deepcopy(plain).capturable is False
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -125,18 +128,11 @@ def test_bad_capturable_or_lr_is_refused_naming_it(bad, match):
         pagedopt.AdamW8bit(_params(0), **kw)
 
 
-def test_a_param_group_with_a_bad_capturable_is_refused_and_not_added():
-    opt = pagedopt.AdamW8bit(_params(0), lr=1e-3, capturable=True)
-    with pytest.raises(ValueError, match=r"param_groups\[1\]\['capturable'\]: None"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(5))], "capturable": None})
-    assert len(opt.param_groups) == 1
-
-
 # ------------------------------------------------------------------ refusals of a captured step
 @pytest.fixture
 def capturing(monkeypatch):
     """Makes step() believe its stream is being captured (the probe is patched, nothing else)."""
-    monkeypatch.setattr(optim_base, "_capturing", lambda p: True)
+    monkeypatch.setattr(capture_module, "capturing", lambda p: True)
 
 
 def _warm(name="AdamW8bit", capturable=True, lr=None, **kw):
@@ -151,7 +147,7 @@ def _warm(name="AdamW8bit", capturable=True, lr=None, **kw):
 
 def _refused(opt, params, match, monkeypatch):
     before = _snapshot(opt, params)
-    monkeypatch.setattr(optim_base, "_capturing", lambda p: True)
+    monkeypatch.setattr(capture_module, "capturing", lambda p: True)
     with pytest.raises(RuntimeError, match=match):
         opt.step()
     monkeypatch.undo()
@@ -161,10 +157,9 @@ def _refused(opt, params, match, monkeypatch):
         assert torch.equal(a, b)  # nothing changed: params, states, step counters
 
 
-def test_capture_of_a_non_capturable_optimizer_is_refused_naming_the_group(monkeypatch):
+def test_capture_of_a_non_capturable_optimizer_is_refused(monkeypatch):
     opt, params = _warm(capturable=False, lr=1e-3)
-    _refused(opt, params, r"param_groups\[0\]\['capturable'\] is False: construct the optimizer with "
-             r"capturable=True", monkeypatch)
+    _refused(opt, params, r"made with capturable=False: construct it with capturable=True", monkeypatch)
 
 
 def test_capture_before_the_states_exist_is_refused_and_makes_none(capturing):
@@ -206,7 +201,7 @@ def test_capture_with_paged_states_not_resident_is_refused(monkeypatch):
     opt, params = _warm("PagedAdamW8bit")
     monkeypatch.setattr(opt._pager, "all_resident", lambda: False)  # as after page_out() on a GPU
     before = _snapshot(opt, params)
-    monkeypatch.setattr(optim_base, "_capturing", lambda p: True)
+    monkeypatch.setattr(capture_module, "capturing", lambda p: True)
     with pytest.raises(RuntimeError, match=r"while paged states are not all resident"):
         opt.step()
     for a, b in zip(before, _snapshot(opt, params)):
@@ -218,7 +213,7 @@ def test_a_captured_step_that_passes_the_checks_runs_the_step(monkeypatch):
     # same step as an eager one.
     opt, params = _warm()
     ref, ref_params = _warm()
-    monkeypatch.setattr(optim_base, "_capturing", lambda p: True)
+    monkeypatch.setattr(capture_module, "capturing", lambda p: True)
     opt.step()
     monkeypatch.undo()
     ref.step()
@@ -238,10 +233,7 @@ def test_a_tensor_lr_survives_a_checkpoint_and_stays_a_tensor_of_the_loading_opt
     other.load_state_dict(sd)
     lr = other.param_groups[0]["lr"]
     assert isinstance(lr, torch.Tensor) and lr.dtype == torch.float64 and float(lr) == float(torch.tensor(2e-3))
-    assert other.param_groups[0]["capturable"] is True
-    plain = pagedopt.AdamW8bit(params, lr=1e-3, min_8bit_size=1)  # capturable=False: keeps its own flag
-    plain.load_state_dict(sd)
-    assert plain.param_groups[0]["capturable"] is False
+    assert other.capturable is True and "capturable" not in sd["param_groups"][0]
 
 
 def test_readme_documents_capturable():

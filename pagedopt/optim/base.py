@@ -30,7 +30,9 @@ from ..quant import STATE_BLOCK_SIZE, dynamic_codebook
 from . import checkpoint, sharding
 from .algorithm import AlgorithmSpec
 from .bucket_chunks import bucket_chunks, write_back
-from .capture import capture_check, capturing as _capturing, lr_tensor
+from . import capture
+from .capture import capture_check, lr_tensor
+from .fast_step import fast_step, hold_params_for_fast_steps
 from .byte_sizes import optimizer_state_bytes  # noqa: F401  (public here)
 from .pager_control import PAGED_SLAB_BYTES as _PAGED_SLAB_BYTES, PagerControl
 from .hyperparameters import check_hyperparameters
@@ -62,6 +64,7 @@ class _StepPlan(NamedTuple):
     buckets: list[_Bucket]
     steps_by_device: dict      # device -> its parameters' step counters (step_counters.py)
     sharded: bool              # some parameter is a DTensor: kernels run on local shards (_local_tensors)
+    fast: bool                 # fast_step.py may run the next steps (held lists over every parameter)
 
 
 def _run_update(optimizer: "QuantizedOptimizer") -> None:
@@ -81,6 +84,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
     algorithm: AlgorithmSpec
     _bits: Optional[int] = None  # the state width a *8bit / *32bit class fixes (None: optim_bits decides)
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
+    _held_step_only = True  # every stateful bucket's step is its held list's quantized_step_ (fast_step.py)
 
     def __init__(self, params, defaults: dict, *, args: Any = None, percentile_clipping: int = 100,
                  block_wise: bool = True, is_paged: bool = False, capturable: bool = False):
@@ -93,7 +97,10 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         if not block_wise:
             raise ValueError("block_wise=False is not supported: states are always quantized in blocks of 256")
         defaults["optim_bits"] = self._fixed_bits(defaults["optim_bits"])
-        defaults["capturable"] = capturable
+        if not isinstance(capturable, bool):
+            raise ValueError(f"Invalid argument 'capturable': {capturable!r} (must be True or False)")
+        # the optimizer's, not a param group's: the groups keep bitsandbytes' keys (checkpoint layout)
+        self.capturable = capturable
         self._check_hyperparameters(defaults, "argument")
         self._start_runtime(is_paged)
         super().__init__(params, defaults)
@@ -233,6 +240,9 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
     @torch.no_grad()
     def _update(self) -> None:
         """The update of step(), always eager (see step())."""
+        plan = self._plan
+        if plan is not None and plan.fast and fast_step(self, plan):
+            return
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         for group in self.param_groups:
@@ -248,7 +258,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         # (FSDP2) are checked, and updated, through their local shards: whether there are any is
         # decided once per plan, so a plain run pays nothing for it.
         plan = self._cached_plan(params)
-        if _capturing(params[0]):
+        if capture.capturing(params[0]):
             capture_check(self, plan, params)
         sharded = plan.sharded if plan is not None else sharding.has_dtensor(params)
         work_params, work_grads = sharding.local_tensors(params, grads, lambda p, g: raise_bad_sharding(self.param_groups, p, g)) if sharded else (params, grads)
@@ -322,7 +332,9 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
             buckets.append(_Bucket(gi, device, eight_bit, stateful, index, bucket_params, states, lists, held,
                                    dict(setting)))
         key = (id(state), state.version, self._plan_version, key[3])  # states may have been created
-        self._plan = _StepPlan(key, buckets, steps_by_device, sharding.has_dtensor(params))
+        sharded = sharding.has_dtensor(params)
+        fast = hold_params_for_fast_steps(self, buckets, params, sharded)
+        self._plan = _StepPlan(key, buckets, steps_by_device, sharded, fast)
         return self._plan
 
     def _cached_plan(self, params: list[torch.Tensor]) -> Optional["_StepPlan"]:
@@ -432,6 +444,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         if self._pager is not None:
             self._pager.settle()
         return {"defaults": self.defaults, "param_groups": self.param_groups, "is_paged": self.is_paged,
+                "capturable": getattr(self, "capturable", False),
                 "budget_bytes": getattr(self._pager, "budget_bytes", None),
                 "device_buffer_bytes": getattr(self._pager, "device_buffer_bytes", None),
                 "state": {p: checkpoint.portable_param_state(s) for p, s in self.state.items()}}
@@ -439,6 +452,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
         is_paged = state.pop("is_paged", False)
+        self.capturable = state.pop("capturable", False)
         budget_bytes = state.pop("budget_bytes", None)
         device_buffer_bytes = state.pop("device_buffer_bytes", None)
         saved_state = state.pop("state", {})

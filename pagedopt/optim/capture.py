@@ -44,12 +44,12 @@ def lr_tensor(group: dict, gi: int, device: torch.device) -> Optional[torch.Tens
 def capture_check(opt: "QuantizedOptimizer", plan, params: list) -> None:
     """Refuse, before anything changes, a step being captured that could not replay correctly."""
     name = type(opt).__name__
+    if not getattr(opt, "capturable", False):
+        raise RuntimeError(f"{name}.step() is being captured in a CUDA graph but the optimizer was made with "
+                           "capturable=False: construct it with capturable=True")
     for gi, group in enumerate(opt.param_groups):
         if not group["params"]:
             continue
-        if not group.get("capturable", False):
-            raise RuntimeError(f"{name}.step() is being captured in a CUDA graph but param_groups[{gi}]['capturable'] "
-                               "is False: construct the optimizer with capturable=True")
         lr = group["lr"]
         device = group["params"][0].device
         if isinstance(lr, torch.Tensor) and lr.device != device:

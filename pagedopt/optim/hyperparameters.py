@@ -45,8 +45,5 @@ def check_hyperparameters(h: dict, where: str, n_betas: int = 2, has_eps: bool =
     m = h["min_8bit_size"]
     if not isinstance(m, int) or isinstance(m, bool) or m < 0:
         raise ValueError(f"Invalid {name('min_8bit_size')}: {m!r} (must be an int >= 0)")
-    capturable = h.get("capturable", False)
-    if not isinstance(capturable, bool):
-        raise ValueError(f"Invalid {name('capturable')}: {capturable!r} (must be True or False)")
     if extra is not None:
         extra(h, name)

@@ -39,6 +39,7 @@ def _sum_over_shards(params: list, squares: torch.Tensor) -> None:
 
 
 class ScaledByUpdateNorm(QuantizedOptimizer):
+    _held_step_only = False  # a norm pass and per-tensor scales before each step: no fast step
     def _init_state(self, config: dict, p: torch.Tensor) -> dict:
         state = super()._init_state(config, p)
         if "unorm_vec" not in state:

@@ -5,7 +5,13 @@
 // cost about 0.75 us per parameter and step). The parameters are not held: a held reference would
 // keep torch.utils.swap_tensors (module.to(), load_state_dict(assign=...) with swapping on) from
 // swapping them, and would go on updating the old tensor after a swap.
+//
+// The fast step (gather_grads, then step_gathered) holds no reference at all, only the address of
+// each parameter's Python object (swap_tensors refuses tensors with C++ weak references too), and
+// reads the parameter from that object at each step. So a step passes no tensor list.
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/TensorImpl.h>
 #include <torch/custom_class.h>
 
 #include <string>
@@ -30,7 +36,58 @@ struct QuantizedStateList : torch::CustomClassHolder {
         steps(std::move(steps_)),
         qmaps(std::move(qmaps_)) {}
 
+  // The fast step's parameters: the address of each one's Python object (see above), and the
+  // tensors gather_grads collected for the next step_gathered.
+  std::vector<void*> held_pyobjs;
+  std::vector<at::Tensor> gathered_params;
+  std::vector<at::Tensor> gathered_grads;
+
   int64_t size() const { return static_cast<int64_t>(steps.size()); }
+
+  // Holds, for the fast step, the Python objects of `params` (one per held state, in order).
+  void hold_params(std::vector<at::Tensor> params) {
+    TORCH_CHECK_VALUE(params.size() == steps.size(), "hold_params: ", params.size(), " params for ", steps.size(),
+                      " held states");
+    std::vector<void*> pyobjs;
+    for (size_t i = 0; i < params.size(); ++i) {
+      void* obj = params[i].unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
+      TORCH_CHECK_VALUE(obj != nullptr, "hold_params: params[", i, "] has no Python object");
+      pyobjs.push_back(obj);
+    }
+    held_pyobjs = std::move(pyobjs);
+  }
+
+  void release() {
+    gathered_params.clear();
+    gathered_grads.clear();
+  }
+
+  // Collects each held parameter (the tensor its Python object holds now: a swapped one is seen as
+  // it is) and its gradient for step_gathered. False (and nothing kept) when the ordinary step must
+  // run instead: no parameters held, or a gradient missing or not matching its parameter (other
+  // dtype, shape, device or layout, or either not contiguous: the ordinary step copies or refuses
+  // those). The caller guarantees that the held Python objects are alive: fast_step.py checks that
+  // the param groups hold exactly them, in order, right before (csrc/quantized_state_list.cpp).
+  bool gather_grads();
+
+  // The step on what gather_grads collected, through the op quantized_step_ (every argument check
+  // of the ordinary step runs); the collected tensors are released whatever happens.
+  void step_gathered(std::vector<double> hyper, std::optional<at::Tensor> grad_scale,
+                     std::optional<at::Tensor> found_inf, std::optional<at::Tensor> lr) {
+    std::vector<at::Tensor> params = std::move(gathered_params);
+    std::vector<at::Tensor> grads = std::move(gathered_grads);
+    release();
+    TORCH_CHECK(!params.empty() && params.size() == steps.size(),
+                "step_gathered: gather_grads() did not collect this list's parameters first");
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("pagedopt::quantized_step_", "")
+            .typed<void(c10::string_view, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                        at::TensorList, at::TensorList, c10::ArrayRef<double>, const std::optional<at::Tensor>&,
+                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                        const std::optional<at::Tensor>&)>();
+    op.call(algorithm, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf, std::nullopt, lr);
+  }
 
   // (name, value) pairs of everything held, for torch.compile's fake class (pagedopt/_ops.py,
   // FakeQuantizedStateList.__obj_unflatten__): tracing fakifies these tensors instead of running on
@@ -52,6 +109,10 @@ inline const auto kQuantizedStateListClass =
         .def(torch::init<std::string, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                          std::vector<at::Tensor>>())
         .def("size", &QuantizedStateList::size)
+        .def("hold_params", &QuantizedStateList::hold_params)
+        .def("gather_grads", &QuantizedStateList::gather_grads)
+        .def("release", &QuantizedStateList::release)
+        .def("step_gathered", &QuantizedStateList::step_gathered)
         .def("__obj_flatten__",
              [](const c10::intrusive_ptr<QuantizedStateList>& self) { return self->obj_flatten(); })
         // Identity, for tracing's fake-tensor dispatch cache, whose keys hold the object.
