@@ -114,7 +114,8 @@ def expected_signature(name):
         ps = [("params", EMPTY), ("lr", 1e-2), ("lr_decay", 0), ("weight_decay", 0), ("initial_accumulator_value", 0),
               ("eps", 1e-10), ("optim_bits", 8 if name == "Adagrad8bit" else 32)]
     ps += [("args", None), ("min_8bit_size", 4096)]
-    return ps + ([("percentile_clipping", 100), ("block_wise", True)] if old else [])
+    ps += [("percentile_clipping", 100), ("block_wise", True)] if old else []
+    return ps + [("capturable", False)]  # pagedopt's own, last (README: CUDA graphs)
 
 
 @pytest.mark.parametrize("name", ALL)

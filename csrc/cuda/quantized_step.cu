@@ -4,7 +4,7 @@
 //
 // The element math is the algorithm's update() and the quantization is codebook.h's nearest code,
 // as on the CPU, so the states come out bit for bit as the CPU's. Launches per call: one H2D copy
-// of a metadata table (pinned, non_blocking), one setup kernel (the codebooks' search tables and
+// of a metadata table when it differs from the last one kept (device_metadata), one setup kernel (the codebooks' search tables and
 // each tensor's constants, from its step count on the GPU: no host synchronisation), and one step
 // kernel per parameter dtype.
 //
@@ -17,7 +17,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -25,8 +24,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "launch.h"
@@ -234,33 +235,58 @@ bool capturing(cudaStream_t stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
-// Page-locked host memory for a step's metadata table. Outside graph capture, from the caching host
-// allocator, which keeps it until the copy that reads it is done (copy_ records the stream). Inside
-// capture the graph's copy reads it again at every replay, so it is a buffer of our own that is
-// never freed (a few hundred bytes per tensor per captured step), allocated in relaxed capture
-// mode (allocation is refused in global mode, as torch's allocators do it).
-at::Tensor metadata_host_buffer(int64_t bytes, bool in_capture) {
-  if (!in_capture) return at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  static std::mutex mutex;
-  static std::vector<void*> kept;  // read by captured graphs for as long as they may be replayed
-  void* buffer = nullptr;
-  {
-    const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
-    const std::lock_guard<std::mutex> lock(mutex);
-    C10_CUDA_CHECK(cudaHostAlloc(&buffer, static_cast<size_t>(bytes), cudaHostAllocDefault));
-    kept.push_back(buffer);
+// The device copy of a step's metadata table (`table`, built on the host), on `stream`.
+//
+// Eager steps: the device copies of recent tables are kept, by (device, first parameter's address,
+// size); a step whose table is byte for byte the last one's there (the usual case: the same
+// parameters, gradients and states step after step) uploads nothing and reuses it, and only a
+// changed table goes up, through page-locked memory from the caching host allocator. Taking a new
+// page-locked block at every step would call cudaHostAlloc whenever the GPU runs several steps
+// behind the host (the blocks of the steps it has not run yet are all still in use), and that call
+// waits for the device. A kept copy is never written again, so the kernels of earlier steps that
+// read it need no ordering; a replaced one goes back to the caching allocator, for later work on
+// its stream only.
+//
+// Inside graph capture: the graph's copy reads its source again at every replay, so the table goes
+// up from page-locked memory of our own that is never freed (a few hundred bytes per tensor per
+// captured step), allocated in relaxed capture mode (allocation is refused in global mode, as
+// torch's allocators do it), into a device buffer of the graph's pool.
+at::Tensor device_metadata(const std::vector<uint8_t>& table, int device, uintptr_t first,
+                           const at::TensorOptions& opts, bool in_capture, cudaStream_t stream) {
+  const int64_t bytes = static_cast<int64_t>(table.size());
+  if (in_capture) {
+    static std::mutex kept_mutex;
+    static std::vector<void*> kept;  // read by captured graphs for as long as they may be replayed
+    void* buffer = nullptr;
+    {
+      const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
+      const std::lock_guard<std::mutex> lock(kept_mutex);
+      C10_CUDA_CHECK(cudaHostAlloc(&buffer, table.size(), cudaHostAllocDefault));
+      kept.push_back(buffer);
+    }
+    std::memcpy(buffer, table.data(), table.size());
+    at::Tensor dev = at::empty({bytes}, opts);
+    C10_CUDA_CHECK(cudaMemcpyAsync(dev.data_ptr(), buffer, table.size(), cudaMemcpyHostToDevice, stream));
+    return dev;
   }
-  return at::from_blob(buffer, {bytes}, at::TensorOptions().dtype(at::kByte));
-}
-
-// The metadata table `host` (from metadata_host_buffer) into `dev` on `stream`.
-void upload_metadata(const at::Tensor& dev, const at::Tensor& host, bool in_capture, cudaStream_t stream) {
-  if (!in_capture) {
-    dev.copy_(host, /*non_blocking=*/true);
-    return;
-  }
-  C10_CUDA_CHECK(cudaMemcpyAsync(dev.data_ptr(), host.data_ptr(), static_cast<size_t>(host.numel()),
-                                 cudaMemcpyHostToDevice, stream));
+  struct Kept {
+    std::vector<uint8_t> table;
+    at::Tensor dev;
+  };
+  // never destroyed: its device tensors must not be freed after CUDA shuts down at exit
+  static auto* mutex = new std::mutex;
+  static auto* kept = new std::map<std::tuple<int, uintptr_t, int64_t>, Kept>;
+  const auto key = std::make_tuple(device, first, bytes);
+  const std::lock_guard<std::mutex> lock(*mutex);
+  auto it = kept->find(key);
+  if (it != kept->end() && it->second.table == table) return it->second.dev;
+  at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr(), table.data(), table.size());
+  at::Tensor dev = at::empty({bytes}, opts);
+  dev.copy_(host, /*non_blocking=*/true);  // the caching host allocator keeps `host` until the copy is done
+  if (it == kept->end() && kept->size() >= 64) kept->clear();  // bounded: a few MiB at most
+  (*kept)[key] = Kept{table, dev};
+  return dev;
 }
 
 template <typename Algo>
@@ -292,9 +318,10 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
   const int64_t bytes = static_cast<int64_t>(meta_bytes + (total + kGroups) * sizeof(int64_t));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool in_capture = capturing(stream);
-  at::Tensor host = metadata_host_buffer(bytes, in_capture);
-  auto* hmeta = reinterpret_cast<TensorMeta*>(host.data_ptr());
-  auto* hstarts = reinterpret_cast<int64_t*>(static_cast<uint8_t*>(host.data_ptr()) + meta_bytes);
+  static thread_local std::vector<uint8_t> table;
+  table.assign(static_cast<size_t>(bytes), 0);  // zeroed: padding too, so that equal tables compare equal
+  auto* hmeta = reinterpret_cast<TensorMeta*>(table.data());
+  auto* hstarts = reinterpret_cast<int64_t*>(table.data() + meta_bytes);
   const auto addr = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr); };
   size_t meta_off[kGroups];
   size_t starts_off[kGroups];
@@ -308,7 +335,7 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
     hstarts[si++] = 0;
     for (size_t i : members[gi]) {
       TensorMeta& m = hmeta[mi++];
-      m = TensorMeta{};
+
       m.p = params[i].data_ptr();
       m.g = grads[i].data_ptr();
       m.numel = params[i].numel();
@@ -332,8 +359,8 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
                 " elements of one dtype in one call");
   }
   const auto byte_opts = at::TensorOptions().dtype(at::kByte).device(device);
-  at::Tensor dev = at::empty({bytes}, byte_opts);
-  upload_metadata(dev, host, in_capture, stream);
+  const at::Tensor dev = device_metadata(table, device.index(), addr(params[0].data_ptr()), byte_opts, in_capture,
+                                         stream);
   const auto* dmeta = reinterpret_cast<const TensorMeta*>(dev.data_ptr());
   const auto* dstarts = reinterpret_cast<const int64_t*>(static_cast<const uint8_t*>(dev.data_ptr()) + meta_bytes);
 
