@@ -228,7 +228,7 @@ def estimate(model: Model, optimizer: str = "adamw_8bit", weights: str = "bf16",
             upcast += t.numel  # pagedopt's 32-bit path
     # step temporaries: torch's foreach AdamW (its CUDA default) makes one state-sized list
     # (sqrt(exp_avg_sq)); pagedopt's 32-bit path upcasts 16-bit params and grads of a whole bucket to
-    # fp32 (base._step_32bit: 8 bytes per param with 32-bit states; per 64 MiB chunk only when the
+    # fp32 (AdamBase._step_chunk: 8 bytes per param with 32-bit states; per 64 MiB chunk only when the
     # pager believes paged states are out, which it does not after a driver eviction, so counted whole).
     if bits is None:
         temps = n_trainable * tb

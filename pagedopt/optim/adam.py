@@ -62,37 +62,40 @@ class AdamBase(QuantizedOptimizer):
         """8-bit states: the generic engine (the base's step); 32-bit: torch's fused Adam/AdamW."""
         if bucket.eight_bit:
             super()._step_bucket(group, bucket, params, grads, contiguous, grad_scale, found_inf)
-        else:
-            self._step_32bit(group, bucket, params, grads, contiguous, grad_scale, found_inf)
+            return
+        for params, work_params, work_grads, lists in self._bucket_chunks(bucket, params, grads, contiguous):
+            self._step_chunk(group, bucket, params, work_params, work_grads, lists, grad_scale, found_inf)
 
-    def _step_32bit(self, group: dict, bucket: "_Bucket", params, grads, contiguous: bool, grad_scale,
+    def _step_chunk(self, group: dict, bucket: _Bucket, params, work_params, work_grads, lists: tuple, grad_scale,
                     found_inf) -> None:
         """32-bit states reuse torch's fused Adam/AdamW kernel (CPU and CUDA), on plain (local) tensors."""
+        if bucket.eight_bit:
+            super()._step_chunk(group, bucket, params, work_params, work_grads, lists, grad_scale, found_inf)
+            return
+        state1, state2, steps = lists
         beta1, beta2 = group["betas"]
         fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
         lr = lr_tensor(group, bucket.gi, bucket.device)  # a tensor on the params' device: read there (capturable)
         if lr is not None and lr.dtype != torch.float32:
             lr = lr.float()  # torch's fused kernel reads a float32 lr tensor
-        for params, work_params, work_grads, (state1, state2, steps) in self._bucket_chunks(bucket, params, grads,
-                                                                                              contiguous):
-            hyper = dict(lr=float(group["lr"]) if lr is None else lr, beta1=float(beta1), beta2=float(beta2),
-                         weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), amsgrad=False,
-                         maximize=False, grad_scale=grad_scale, found_inf=found_inf)
-            if work_params[0].dtype == torch.float32:
-                fused(work_params, work_grads, state1, state2, [], steps, **hyper)
-            else:
-                # torch's fused kernel wants params, grads and states of one dtype, and the states stay
-                # fp32: it runs on fp32 copies of the params and grads, made a run of at most
-                # _FP32_COPY_NUMEL elements at a time (the update is elementwise, so a tensor may be cut
-                # into flat ranges), so that the copies never cost more than a few MiB of memory.
-                for run in flat_runs([w.numel() for w in work_params], _FP32_COPY_NUMEL, _FP32_COPY_ALIGN):
-                    views = flat_parts(work_params, run)
-                    run_params = [x.float() for x in views]
-                    fused(run_params, [x.float() for x in flat_parts(work_grads, run)], flat_parts(state1, run),
-                          flat_parts(state2, run), [], [steps[i] for i, _, _ in run], **hyper)
-                    self._write_back(views, run_params)
-            if work_params is not params:
-                self._write_back(params, work_params)
+        hyper = dict(lr=float(group["lr"]) if lr is None else lr, beta1=float(beta1), beta2=float(beta2),
+                     weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), amsgrad=False,
+                     maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+        if work_params[0].dtype == torch.float32:
+            fused(work_params, work_grads, state1, state2, [], steps, **hyper)
+        else:
+            # torch's fused kernel wants params, grads and states of one dtype, and the states stay
+            # fp32: it runs on fp32 copies of the params and grads, made a run of at most
+            # _FP32_COPY_NUMEL elements at a time (the update is elementwise, so a tensor may be cut
+            # into flat ranges), so that the copies never cost more than a few MiB of memory.
+            for run in flat_runs([w.numel() for w in work_params], _FP32_COPY_NUMEL, _FP32_COPY_ALIGN):
+                views = flat_parts(work_params, run)
+                run_params = [x.float() for x in views]
+                fused(run_params, [x.float() for x in flat_parts(work_grads, run)], flat_parts(state1, run),
+                      flat_parts(state2, run), [], [steps[i] for i, _, _ in run], **hyper)
+                self._write_back(views, run_params)
+        if work_params is not params:
+            self._write_back(params, work_params)
 
 
 class Adam(AdamBase):

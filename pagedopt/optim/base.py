@@ -118,6 +118,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         self._codebooks: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._plan_version = 0  # bumped whenever param groups are replaced or added
         self._plan = None
+        self._backward_updates = None  # set_pager(..., update_in_backward=True): backward_updates.py
 
     # ------------------------------------------------------------------ validation
     def _fixed_bits(self, optim_bits):
@@ -143,6 +144,8 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
             self._check_hyperparameters(settings, f"param_groups[{len(self.param_groups)}]")
         super().add_param_group(param_group)
         self._plan_version += 1
+        if getattr(self, "_backward_updates", None) is not None:
+            self._backward_updates.hook_params(self.param_groups[-1]["params"])
 
     # ------------------------------------------------------------------ state
     def _codebooks_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,16 +246,29 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         plan = self._plan
         if plan is not None and plan.fast and fast_step(self, plan):
             return
+        bwd = self._backward_updates
+        if bwd is None:
+            self._update_params()
+        elif bwd.active(self):  # updates during backward (backward_updates.py): the rest of them
+            extra = self._update_params(exclude=bwd.finish_step(self))
+            bwd.end_step(self, drop=extra is not None)
+        else:
+            if bwd.enabled:
+                bwd.refuse_grad_scaler(self)
+            bwd.make_schedule(self, self._update_params())
+
+    def _update_params(self, exclude=frozenset()) -> Optional["_StepPlan"]:
+        """The ordinary step of the parameters with gradients (but those in ``exclude``, ids); its plan."""
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         for group in self.param_groups:
             for p in group["params"]:
                 g = p.grad
-                if g is not None:
+                if g is not None and id(p) not in exclude:
                     params.append(p)
                     grads.append(g)
         if not params:
-            return
+            return None
 
         # 1. Validate every gradient (one C++ call) before any state changes. DTensor parameters
         # (FSDP2) are checked, and updated, through their local shards: whether there are any is
@@ -289,6 +305,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         if found_inf is not None:
             for device, steps in plan.steps_by_device.items():
                 subtract_from_counters(steps, found_inf.to(device, non_blocking=True))
+        return plan
 
     def _step_plan(self, params: list[torch.Tensor]) -> "_StepPlan":
         """The buckets of this set of parameters, built once and reused while the parameters with
@@ -373,20 +390,29 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         if not bucket.stateful:
             self._step_stateless(group, params, grads, grad_scale, found_inf)
             return
+        if contiguous and (self._pager is None or self._pager.all_resident()):
+            lr = lr_tensor(group, bucket.gi, bucket.device)
+            hyper = self._engine_hyper(group if lr is None else {**group, "lr": 0.0})
+            _ops.quantized_step_list_(bucket.held, params, grads, hyper, grad_scale, found_inf, lr)
+            return
+        for params, work_params, work_grads, lists in self._bucket_chunks(bucket, params, grads, contiguous):
+            self._step_chunk(group, bucket, params, work_params, work_grads, lists, grad_scale, found_inf)
+
+    def _step_chunk(self, group: dict, bucket: "_Bucket", params, work_params, work_grads, lists: tuple, grad_scale,
+                    found_inf) -> None:
+        """One fused call on some of a bucket's parameters: ``lists`` holds their state tensors (or
+        device views of host-resident ones), one list per key of the bucket (``bucket.lists``);
+        ``work_params`` are the contiguous tensors updated in place of ``params`` (written back)."""
         spec = self.algorithm
         lr = lr_tensor(group, bucket.gi, bucket.device)
         hyper = self._engine_hyper(group if lr is None else {**group, "lr": 0.0})
-        if contiguous and (self._pager is None or self._pager.all_resident()):
-            _ops.quantized_step_list_(bucket.held, params, grads, hyper, grad_scale, found_inf, lr)
-            return
         n_keys = len(spec.states)
         qmaps = [bucket.states[0][q] for q in spec.qmap_keys] if bucket.eight_bit else []
-        for params, work_params, work_grads, lists in self._bucket_chunks(bucket, params, grads, contiguous):
-            absmax = lists[n_keys:2 * n_keys] if bucket.eight_bit else []
-            _ops.quantized_step_(spec.engine, work_params, work_grads, lists[:n_keys], absmax, lists[-1], qmaps,
-                                 hyper, grad_scale=grad_scale, found_inf=found_inf, lr=lr)
-            if work_params is not params:
-                self._write_back(params, work_params)
+        absmax = lists[n_keys:2 * n_keys] if bucket.eight_bit else []
+        _ops.quantized_step_(spec.engine, work_params, work_grads, lists[:n_keys], absmax, lists[-1], qmaps,
+                             hyper, grad_scale=grad_scale, found_inf=found_inf, lr=lr)
+        if work_params is not params:
+            self._write_back(params, work_params)
 
     def _engine_hyper(self, group: dict) -> list:
         """The op's ``hyper`` list for this group (the algorithm's, in the functor's order)."""
@@ -447,6 +473,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
                 "capturable": getattr(self, "capturable", False),
                 "budget_bytes": getattr(self._pager, "budget_bytes", None),
                 "device_buffer_bytes": getattr(self._pager, "device_buffer_bytes", None),
+                "update_in_backward": None if self._backward_updates is None else self._backward_updates.enabled,
                 "state": {p: checkpoint.portable_param_state(s) for p, s in self.state.items()}}
 
     def __setstate__(self, state: dict) -> None:
@@ -455,6 +482,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         self.capturable = state.pop("capturable", False)
         budget_bytes = state.pop("budget_bytes", None)
         device_buffer_bytes = state.pop("device_buffer_bytes", None)
+        update_in_backward = state.pop("update_in_backward", None)
         saved_state = state.pop("state", {})
         super().__setstate__(state)
         pager = None
@@ -476,3 +504,6 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
                         s[k] = self._state_copy(s[k], s[k].device)
             table[p] = s
         self.state = table
+        if update_in_backward is not None:  # the copy's parameters get hooks of their own (tensors' copies have none)
+            self._set_backward_updates(True)
+            self._backward_updates.enabled = update_in_backward

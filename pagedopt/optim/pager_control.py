@@ -20,7 +20,8 @@ PAGED_SLAB_BYTES = 64 << 20
 class PagerControl:
     """The paging methods of QuantizedOptimizer (see there for the attributes they use)."""
 
-    def set_pager(self, pager=None, *, device_budget=None, residency=None, device_buffer=None) -> None:
+    def set_pager(self, pager=None, *, device_budget=None, residency=None, device_buffer=None,
+                  update_in_backward: bool = False) -> None:
         """Page this optimizer's states through ``pager`` (a ``pagedopt.PageManager`` or
         ``pagedopt.HostResidentPager``), or through a new one:
 
@@ -31,6 +32,12 @@ class PagerControl:
           stream through a device buffer of ``device_buffer`` bytes (default ``"256MiB"``) during
           step(), which is all the GPU memory the states take; results are bit-identical to
           resident states.
+        * ``update_in_backward=True`` (with host residency): each parameter is updated during
+          ``backward()`` as soon as its gradient is final, so that the states' copies overlap with
+          backward; ``step()`` updates what is left. Bit for bit the ordinary step; not with
+          gradient clipping, GradScaler, DDP or FSDP2 (see pagedopt/optim/backward_updates.py).
+          ``opt.update_in_backward = False`` turns it off (e.g. for gradient accumulation's
+          micro-batches) and ``True`` on again.
 
         Paged optimizers only, before their first step: states already made stay where their
         pager put them, so changing it later raises a ValueError."""
@@ -45,6 +52,14 @@ class PagerControl:
             raise ValueError(f"set_pager: residency must be 'host' or 'device', got {residency!r}")
         if device_buffer is not None and residency != "host":
             raise ValueError("set_pager: device_buffer=... goes with residency='host'")
+        if not isinstance(update_in_backward, bool):
+            raise ValueError(f"set_pager: update_in_backward must be True or False, got {update_in_backward!r}")
+        if update_in_backward and not (residency == "host" or isinstance(pager, HostResidentPager)):
+            raise ValueError("set_pager: update_in_backward=True goes with residency='host' (host-resident states)")
+        if update_in_backward:
+            from .backward_updates import refuse_unsupported
+
+            refuse_unsupported(self)
         chosen = sum(x is not None for x in (pager, device_budget)) + (residency == "host")
         if chosen != 1 and not (residency == "device" and chosen == 0):
             raise ValueError("set_pager takes a pager, device_budget=... or residency='host', exactly one of them")
@@ -64,6 +79,34 @@ class PagerControl:
             pager = PageManager(budget, arena_bytes=PAGED_SLAB_BYTES)
         self._pager = pager
         self._plan = None
+        self._set_backward_updates(update_in_backward)
+
+    def _set_backward_updates(self, on: bool) -> None:
+        from .backward_updates import BackwardUpdates
+
+        if self._backward_updates is not None:
+            self._backward_updates.remove_hooks()
+            self._backward_updates = None
+        if on:
+            self._backward_updates = BackwardUpdates(self)
+            self._backward_updates.hook_params(p for g in self.param_groups for p in g["params"])
+
+    @property
+    def update_in_backward(self) -> bool:
+        """Whether parameters are updated during backward (``set_pager(..., update_in_backward=True)``);
+        settable to False and back to True, e.g. around gradient accumulation's micro-batches."""
+        return self._backward_updates is not None and self._backward_updates.enabled
+
+    @update_in_backward.setter
+    def update_in_backward(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"update_in_backward must be True or False, got {value!r}")
+        if self._backward_updates is None:
+            if value:
+                raise ValueError("update_in_backward: turn it on with set_pager(residency='host', "
+                                 "update_in_backward=True) first")
+            return
+        self._backward_updates.enabled = value
 
     def page_out(self) -> None:
         """Send every paged state to host memory (for example right after step(), to free

@@ -241,88 +241,139 @@ class HostResidentPager:
         (or the end of the loop). Views are valid only until then. Every group is checked
         (host, contiguous, fits the buffer) before anything moves. Nothing is copied back for a
         group whose iteration raised, and none of the later groups is touched."""
+        return self._pass(self.open_pass(device, groups))
+
+    def open_pass(self, device: DeviceLike, groups: Sequence[Sequence[torch.Tensor]]) -> "StreamPass":
+        """A pass that the caller drives one group at a time (``stream()`` drives one in a loop):
+        copies in of the first groups start now, ``take(i)`` hands out group i's device views and
+        ``give_back(i)`` copies them back after the work queued so far, group after group in
+        order, whenever the caller is ready (for example as gradients arrive during backward).
+        Checked like ``stream()``'s groups before anything moves."""
         device = _as_device(device)
         groups = [list(g) for g in groups]
         layouts = [self._layout(g, f"stream group {i}") for i, g in enumerate(groups)]
-        return self._pass(device, groups, layouts)
+        return StreamPass(self, device, groups, layouts)
 
-    def _pass(self, device, groups, layouts) -> Iterator[tuple[int, list]]:
-        be = self._backend(device)
-        buf = self._buffer(device)
-        copy_in, copy_back = self._streams_of(device, be)
-        current = be.current_stream(device.index)
-        previous = self._last_copy_back.get(device)
-        if previous is not None:
-            copy_in.wait_event(previous)  # last pass's results are on the host before they are read
-        timed = device.type == "cuda"
-        if timed and self._timing is None:  # the step's first pass opens its transfer time
-            first = be.new_timing_event()
-            first.record(copy_in)
-            self._timing = (first, None)
-        n = len(groups)
-        regions: list[Optional[_Region]] = [None] * n
-        ready: list = [None] * n
-        live: list[_Region] = []  # copied in, copy back not yet issued
-        returning: list[_Region] = []  # copy back issued, maybe not finished
-        head = 0
-        def place(size: int) -> Optional[tuple[int, int]]:
-            start = head if head + size <= len(buf) else 0
-            end = start + size
-            if any(r.start < end and start < r.end for r in live):
-                return None  # would overwrite a group still being worked on: wait for a later iteration
-            return start, end
-
-        def copy_in_group(k: int) -> bool:
-            nonlocal head
-            offsets, size = layouts[k]
-            spot = place(size)
-            if spot is None:
-                return False
-            start, end = spot
-            region = _Region(start, end, offsets)
-            for r in list(returning):
-                if r.start < end and start < r.end:
-                    copy_in.wait_event(r.copied_back)
-                    returning.remove(r)
-            with be.use_stream(copy_in):
-                for t, off in zip(groups[k], offsets):
-                    self._view(buf, start + off, t).copy_(t, non_blocking=True)
-                    self._moved_in += t.numel() * t.element_size()
-            ev = be.new_event()
-            ev.record(copy_in)
-            regions[k], ready[k] = region, ev
-            live.append(region)
-            head = end
-            return True
-
-        issued = 0
-        for i in range(n):
-            while issued < n and issued <= i + self.prefetch_depth and copy_in_group(issued):
-                issued += 1
-            if issued <= i:  # cannot happen: with every earlier group returning, group i fits
-                raise AssertionError(f"HostResidentPager: group {i} found no room in the device buffer")
-            current.wait_event(ready[i])
-            region = regions[i]
-            views = [self._view(buf, region.start + off, t) for t, off in zip(groups[i], region.offsets)]
+    @staticmethod
+    def _pass(p: "StreamPass") -> Iterator[tuple[int, list]]:
+        for i in range(len(p.groups)):
+            views = p.take(i)
             yield i, views
-            done = be.new_event()
-            done.record(current)
-            copy_back.wait_event(done)
-            with be.use_stream(copy_back):
-                for t, v in zip(groups[i], views):
-                    t.copy_(v, non_blocking=True)
-                    self._moved_out += t.numel() * t.element_size()
-            last = region.copied_back = be.new_event()
-            last.record(copy_back)
-            self._last_copy_back[device] = last  # the next pass (and settle) wait for it, even if this one stops here
-            live.remove(region)
-            returning.append(region)
-            if timed:
-                end_ev = be.new_timing_event()
-                end_ev.record(copy_back)
-                self._timing = (self._timing[0], end_ev)
+            p.give_back(i)
 
     @staticmethod
     def _view(buf: torch.Tensor, start: int, like: torch.Tensor) -> torch.Tensor:
         nbytes = like.numel() * like.element_size()
         return buf[start:start + nbytes].view(like.dtype).view(like.shape)
+
+
+class StreamPass:
+    """One pass of a HostResidentPager over groups of its host tensors (``open_pass``): group i is
+    copied into a region of the device buffer (on the copy-in stream), handed to the caller by
+    ``take(i)`` (the caller's current stream waits for the copy in; the host never waits), and
+    copied back by ``give_back(i)`` after the work the caller's current stream has queued by then
+    (on the copy-back stream). Groups are taken and given back in order, one at a time. Copies in
+    run ahead of the group taken, up to the pager's ``prefetch_depth`` groups and as far as the
+    buffer has room; a region is reused only after its copy back (an event the copy-in stream
+    waits on). Dropping a pass part way is safe: later passes order their copies after its own."""
+
+    def __init__(self, pager: HostResidentPager, device: torch.device, groups: list, layouts: list):
+        self.pager, self.device, self.groups, self.layouts = pager, device, groups, layouts
+        be = self._be = pager._backend(device)
+        self._buf = pager._buffer(device)
+        self._copy_in, self._copy_back = pager._streams_of(device, be)
+        previous = pager._last_copy_back.get(device)
+        if previous is not None:
+            self._copy_in.wait_event(previous)  # the last pass's results are on the host before they are read
+        self.first_event = None
+        if device.type == "cuda":
+            self.first_event = be.new_timing_event()
+            self.first_event.record(self._copy_in)
+        n = len(groups)
+        self._regions: list[Optional[_Region]] = [None] * n
+        self._ready: list = [None] * n
+        self._live: list[_Region] = []  # copied in, copy back not yet issued
+        self._returning: list[_Region] = []  # copy back issued, maybe not finished
+        self._head = 0
+        self._issued = 0  # groups whose copy in was issued
+        self.taken = 0  # groups handed out (the next take() is of this one)
+        self._views = None
+        self._issue(pager.prefetch_depth)
+
+    def _place(self, size: int) -> Optional[tuple[int, int]]:
+        start = self._head if self._head + size <= len(self._buf) else 0
+        end = start + size
+        if any(r.start < end and start < r.end for r in self._live):
+            return None  # would overwrite a group still being worked on: wait for a later give_back
+        return start, end
+
+    def _copy_in_group(self, k: int) -> bool:
+        offsets, size = self.layouts[k]
+        spot = self._place(size)
+        if spot is None:
+            return False
+        start, end = spot
+        region = _Region(start, end, offsets)
+        for r in list(self._returning):
+            if r.start < end and start < r.end:
+                self._copy_in.wait_event(r.copied_back)
+                self._returning.remove(r)
+        with self._be.use_stream(self._copy_in):
+            for t, off in zip(self.groups[k], offsets):
+                self.pager._view(self._buf, start + off, t).copy_(t, non_blocking=True)
+        ev = self._be.new_event()
+        ev.record(self._copy_in)
+        self._regions[k], self._ready[k] = region, ev
+        self._live.append(region)
+        self._head = end
+        return True
+
+    def _issue(self, ahead: int) -> None:
+        """Copy in the groups up to ``taken + ahead``, as far as the buffer has room."""
+        n = len(self.groups)
+        while self._issued < n and self._issued <= self.taken + ahead and self._copy_in_group(self._issued):
+            self._issued += 1
+
+    def take(self, i: int) -> list[torch.Tensor]:
+        """Group i's device views (i: the next group of the pass, after the last one given back);
+        the current stream waits for their copy in."""
+        if i != self.taken or self._views is not None:
+            raise RuntimeError(f"StreamPass.take({i}): groups are taken in order, one at a time "
+                               f"(next: {self.taken}{', after give_back' if self._views is not None else ''})")
+        self._issue(self.pager.prefetch_depth)
+        if self._issued <= i:  # cannot happen: with every earlier group returning, group i fits
+            raise AssertionError(f"HostResidentPager: group {i} found no room in the device buffer")
+        pager = self.pager
+        if self.first_event is not None and pager._timing is None:  # the step's first pass opens its transfer time
+            pager._timing = (self.first_event, None)
+        self._be.current_stream(self.device.index).wait_event(self._ready[i])
+        region = self._regions[i]
+        self._views = [pager._view(self._buf, region.start + off, t) for t, off in zip(self.groups[i], region.offsets)]
+        pager._moved_in += sum(t.numel() * t.element_size() for t in self.groups[i])
+        return self._views
+
+    def give_back(self, i: int) -> None:
+        """Copy group i's views back to its host tensors after the work queued on the current stream."""
+        if i != self.taken or self._views is None:
+            raise RuntimeError(f"StreamPass.give_back({i}): group {i} is not the one taken")
+        be, pager = self._be, self.pager
+        done = be.new_event()
+        done.record(be.current_stream(self.device.index))
+        self._copy_back.wait_event(done)
+        with be.use_stream(self._copy_back):
+            for t, v in zip(self.groups[i], self._views):
+                t.copy_(v, non_blocking=True)
+                pager._moved_out += t.numel() * t.element_size()
+        region = self._regions[i]
+        last = region.copied_back = be.new_event()
+        last.record(self._copy_back)
+        pager._last_copy_back[self.device] = last  # the next pass (and settle) wait for it, even if this one stops here
+        self._live.remove(region)
+        self._returning.append(region)
+        if self.first_event is not None:
+            end_ev = be.new_timing_event()
+            end_ev.record(self._copy_back)
+            pager._timing = (pager._timing[0] if pager._timing else self.first_event, end_ev)
+        self._views = None
+        self.taken += 1
+        self._issue(pager.prefetch_depth)  # the next groups' copies in start now, not at the next take

@@ -1,0 +1,325 @@
+"""Updates during backward for host-resident states: ``set_pager(residency="host",
+update_in_backward=True)``.
+
+Host-resident states cross the link twice per step (in, then back). After backward the whole
+crossing waits for the update; during backward the link is idle. Here each parameter's update
+runs as soon as its gradient is final (``register_post_accumulate_grad_hook``), in chunks of about
+a third of the device buffer, so that the copies of states in and back overlap with the rest of
+backward, and ``step()`` only updates what is left (the parameters whose gradients came last).
+
+The schedule. After an ordinary step (the first one makes the states), the order in which the
+gradients arrived in that step's backward is cut into chunks (per device, in arrival order, each
+at most a third of the buffer, or one parameter); one pager pass (``HostResidentPager.open_pass``)
+per device and step copies the chunks in, in that order, starting right after the previous step
+(so the first chunks arrive during forward). During backward a chunk is updated once every one of
+its parameters has its gradient, on a stream of its own (after everything the backward has queued
+so far), so that backward's own kernels never wait for a copy. ``step()`` updates the remaining
+chunks, then makes the caller's stream wait for all of it. Results are bit for bit those of the
+ordinary step: the same kernels on the same tensors, each parameter updated once, its step counter
+incremented once.
+
+What the mode cannot do, and refuses or says: the gradient a parameter is updated with is the one
+it has when its hook fires, so gradient clipping and GradScaler (whose ``step`` unscales and checks
+all gradients after backward) don't apply (a GradScaler step raises before anything changes; the
+first step of the mode is an ordinary one); under DDP the hook sees the gradient before it is
+all-reduced, so a process group of several ranks is refused, as are DTensor (FSDP2) parameters.
+A second backward before ``step()`` raises (gradient accumulation: set ``opt.update_in_backward =
+False`` for the micro-batches before the last). A parameter whose gradient did not come through a
+hook (set by hand) is updated in ``step()``, as are parameters not in the schedule; anything that
+changes the step plan (new states, ``load_state_dict``, ``add_param_group``, a different set of
+parameters with gradients) drops the schedule, and the next ordinary step makes a new one.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from .. import _ops
+from .bucket_chunks import contiguous_views
+from .grad_checks import raise_bad_grad
+from .state_table import StateTable
+
+if TYPE_CHECKING:
+    from .base import QuantizedOptimizer
+
+
+class _Run:
+    """One device's chunks in one step: the pager pass that copies them in, and how far it got."""
+
+    __slots__ = ("chunks", "pass_", "waiting", "next")
+
+    def __init__(self, chunks: list, pass_):
+        self.chunks = chunks            # [(parts, ids)]: parts [(bucket index, positions)], ids of the params
+        self.pass_ = pass_
+        self.waiting = [len(ids) for _, ids in chunks]  # gradients each chunk still waits for
+        self.next = 0                   # the next chunk to update
+
+
+def refuse_unsupported(opt: "QuantizedOptimizer") -> None:
+    """Raise a ValueError, before anything changes, where updates in backward cannot be right."""
+    from . import sharding
+
+    name = type(opt).__name__
+    if getattr(opt, "capturable", False):
+        raise ValueError(f"{name}: update_in_backward=True cannot be captured in a CUDA graph (capturable=True)")
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if sharding.has_dtensor(params):
+        raise ValueError(f"{name}: update_in_backward=True does not support DTensor (FSDP2) parameters: their "
+                         "gradients are reduced after backward")
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(f"{name}: update_in_backward=True does not support a process group of several ranks "
+                         "(DDP all-reduces gradients after the hooks that would update them)")
+
+
+class BackwardUpdates:
+    """The hooks, the schedule and the per-step progress of updates during backward (see the module)."""
+
+    def __init__(self, opt: "QuantizedOptimizer"):
+        self._opt = weakref.ref(opt)
+        self.enabled = True
+        self._hooked: dict[int, object] = {}  # id(param) -> hook handle
+        self._arrived: list[int] = []         # ids of params in the order their gradients arrived
+        self._arrived_set: set[int] = set()
+        self._plan = None                     # the optimizer's step plan the schedule was made from
+        self._schedule: Optional[dict] = None  # device -> [(parts, ids)]
+        self._chunk_of: dict[int, tuple] = {}  # id(param) -> (device, chunk index)
+        self._runs: Optional[dict] = None     # device -> _Run of the coming step
+        self._counted: set[int] = set()       # params whose gradient counted towards a chunk this step
+        self._updated: set[int] = set()       # params updated this step
+        self._checked = False                 # the schedule was checked against the optimizer this step
+        self._began = False                   # the pager was told that a step began
+        self._streams: dict = {}
+
+    # ------------------------------------------------------------------ hooks
+    def hook_params(self, params) -> None:
+        ref = weakref.ref(self)
+
+        def on_grad(p: torch.Tensor, ref=ref) -> None:
+            me = ref()
+            if me is not None:
+                me._on_grad(p)
+
+        for p in params:
+            if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in self._hooked:
+                self._hooked[id(p)] = p.register_post_accumulate_grad_hook(on_grad)
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
+        self.drop_schedule()
+
+    def _where(self, opt, p) -> str:
+        for gi, group in enumerate(opt.param_groups):
+            for pi, q in enumerate(group["params"]):
+                if q is p:
+                    return f"param_groups[{gi}]['params'][{pi}]"
+        return "a parameter"
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        opt = self._opt()
+        if opt is None:
+            return
+        pid = id(p)
+        if pid not in self._arrived_set:
+            self._arrived_set.add(pid)
+            self._arrived.append(pid)
+        if not self.enabled:
+            return
+        if pid in self._counted:
+            raise RuntimeError(f"{type(opt).__name__}: {self._where(opt, p)} received a second gradient before "
+                               "step(); with update_in_backward=True every backward() must be followed by step() "
+                               "(for gradient accumulation set opt.update_in_backward = False for the micro-batches "
+                               "before the last)")
+        if self._schedule is None or not self._current(opt):
+            return
+        self._counted.add(pid)
+        spot = self._chunk_of.get(pid)
+        if spot is None:
+            return
+        device, k = spot
+        run = self._runs[device]
+        run.waiting[k] -= 1
+        while run.next < len(run.chunks) and run.waiting[run.next] == 0:
+            self._update_chunk(opt, device, run)
+
+    # ------------------------------------------------------------------ the schedule
+    def _current(self, opt) -> bool:
+        """Whether the schedule still fits the optimizer (checked once a step); drops it if not."""
+        if self._checked:
+            return self._schedule is not None
+        self._checked = True
+        plan, state = opt._plan, opt.state
+        in_groups = {id(q) for g in opt.param_groups for q in g["params"]}
+        if (plan is not self._plan or not isinstance(state, StateTable)
+                or plan.key[:3] != (id(state), state.version, opt._plan_version)
+                or not all(id(p) in in_groups for b in plan.buckets for p in b.params)):
+            self.drop_schedule()
+            return False
+        if self._runs is None:
+            self._open_passes(opt)
+        return True
+
+    def drop_schedule(self) -> None:
+        self._plan = self._schedule = self._runs = None
+        self._chunk_of = {}
+
+    def make_schedule(self, opt, plan) -> None:
+        """After an ordinary step of ``plan``: chunks in the order the gradients arrived, and the
+        next step's copies in started."""
+        arrived, self._arrived, self._arrived_set = self._arrived, [], set()
+        self._reset_step()
+        self.drop_schedule()
+        if not self.enabled or plan is None or plan.sharded or not arrived or not self._hooked:
+            return
+        position = {}
+        for bi, b in enumerate(plan.buckets):
+            if not b.stateful:
+                return  # not a paged optimizer's bucket: leave everything to step()
+            for j, p in enumerate(b.params):
+                position[id(p)] = (bi, j)
+        order = [pid for pid in arrived if pid in position]
+        seen = set(order)
+        order += [pid for pid in position if pid not in seen]  # gradients not from a hook: updated in step()
+        keys = opt.algorithm.state_keys + opt.algorithm.absmax_keys
+        from ..paging.host_resident import _aligned
+
+        limit = max(opt._pager.device_buffer_bytes // 3, 1)
+        schedule: dict = {}
+        sizes: dict = {}
+        for pid in order:
+            bi, j = position[pid]
+            b = plan.buckets[bi]
+            nbytes = sum(_aligned(b.states[j][k].numel() * b.states[j][k].element_size()) for k in keys
+                         if k in b.states[j])
+            chunks = schedule.setdefault(b.device, [])
+            if not chunks or (sizes[b.device] + nbytes > limit and chunks[-1][1]):
+                chunks.append(([], []))
+                sizes[b.device] = 0
+            parts, ids = chunks[-1]
+            if parts and parts[-1][0] == bi:
+                parts[-1][1].append(j)
+            else:
+                parts.append((bi, [j]))
+            ids.append(pid)
+            sizes[b.device] += nbytes
+        self._plan, self._schedule = plan, schedule
+        self._chunk_of = {pid: (device, k) for device, chunks in schedule.items()
+                          for k, (_, ids) in enumerate(chunks) for pid in ids}
+        self._open_passes(opt)
+
+    def _groups(self, chunks: list) -> list:
+        keys = self._opt().algorithm.state_keys + self._opt().algorithm.absmax_keys
+        buckets = self._plan.buckets
+        return [[buckets[bi].states[j][k] for bi, js in parts for j in js for k in keys if k in buckets[bi].states[j]]
+                for parts, _ in chunks]
+
+    def _open_passes(self, opt) -> None:
+        """The coming step's pager passes: their first copies in start now."""
+        self._runs = {device: _Run(chunks, opt._pager.open_pass(device, self._groups(chunks)))
+                      for device, chunks in self._schedule.items()}
+
+    # ------------------------------------------------------------------ updates
+    def _stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def _update_chunk(self, opt, device: torch.device, run: _Run) -> None:
+        """Update chunk ``run.next`` on the update stream (after the work queued so far), with the
+        gradients its parameters have now (those without one are left alone)."""
+        k = run.next
+        parts, _ = run.chunks[k]
+        if not self._began:
+            self._began = True
+            opt._pager.begin_step()  # the step's first chunk
+        stream = self._stream(device)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            views = run.pass_.take(k)
+            view_of = {id(t): v for t, v in zip(run.pass_.groups[k], views)}
+            try:
+                for bi, positions in parts:
+                    self._update_part(opt, self._plan.buckets[bi], positions, view_of)
+            finally:
+                run.pass_.give_back(k)  # what was updated goes back; the rest goes back unchanged
+                run.next += 1
+
+    def _update_part(self, opt, bucket, positions: list[int], view_of: dict) -> None:
+        positions = [j for j in positions if bucket.params[j].grad is not None]
+        if not positions:
+            return
+        params = [bucket.params[j] for j in positions]
+        grads = [p.grad for p in params]
+        verdict = _ops.check_grads(params, grads)
+        if verdict >= 0:
+            raise_bad_grad(opt.param_groups, params[verdict])
+        lists = tuple([view_of.get(id(lst[j]), lst[j]) for j in positions] for lst in bucket.lists)
+        torch._foreach_add_(lists[-1], 1.0)  # the step counters of these parameters
+        group = opt.param_groups[bucket.gi]
+        if bucket.override:
+            group = {**group, **bucket.override}
+        if verdict == _ops.GRADS_CONTIGUOUS:
+            work_params, work_grads = params, grads
+        else:
+            work_params, work_grads = contiguous_views(params, grads)
+        opt._step_chunk(group, bucket, params, work_params, work_grads, lists, None, None)
+        self._updated.update(map(id, params))
+
+    # ------------------------------------------------------------------ step()
+    def active(self, opt) -> bool:
+        """Whether step() finishes a step of the schedule (it is current, and on or begun)."""
+        return self._schedule is not None and (self.enabled or bool(self._updated)) and self._current(opt)
+
+    @staticmethod
+    def refuse_grad_scaler(opt) -> None:
+        if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+            raise RuntimeError(f"{type(opt).__name__}: update_in_backward=True cannot run under GradScaler (the "
+                               "parameters would be updated during backward with scaled gradients, before the "
+                               "scaler checks them); use bf16 autocast without a scaler, or turn the mode off")
+
+    def finish_step(self, opt) -> set[int]:
+        """step() after updates in backward: the remaining chunks, then the caller's stream waits
+        for them. Returns the ids of the parameters updated (step() updates any others with
+        gradients the ordinary way)."""
+        if not self._updated:
+            self.refuse_grad_scaler(opt)  # nothing changed yet
+        elif getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+            self.drop_schedule()
+            self.refuse_grad_scaler(opt)
+        try:
+            for device, run in self._runs.items():
+                while run.next < len(run.chunks):
+                    self._update_chunk(opt, device, run)
+        finally:
+            self.wait_for_updates()
+        return self._updated
+
+    def wait_for_updates(self) -> None:
+        """The caller's streams wait for every update queued on the update streams."""
+        for device, stream in self._streams.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
+
+    def end_step(self, opt, drop: bool) -> None:
+        """After step(): ready for the next backward, whose copies in start now (``drop``: some
+        parameters were not in the schedule, which the next ordinary step makes again)."""
+        self._arrived, self._arrived_set = [], set()
+        self._reset_step()
+        if drop:
+            self.drop_schedule()
+        elif self._current(opt):
+            self._checked = False  # checked again at the next step's first gradient
+
+    def _reset_step(self) -> None:
+        self._began = False
+        self._counted = set()
+        self._updated = set()
+        self._checked = False
+        self._runs = None
