@@ -248,9 +248,20 @@ class BackwardUpdates:
             try:
                 for bi, positions in parts:
                     self._update_part(opt, self._plan.buckets[bi], positions, view_of)
+            except ValueError as exc:  # a bad gradient: the step is abandoned
+                self._abandon_step()
+                raise ValueError(f"{exc} (met during backward with update_in_backward=True: the parameters "
+                                 "updated earlier in this backward keep their update; call zero_grad() and go on, "
+                                 "or load a checkpoint)") from None
             finally:
                 run.pass_.give_back(k)  # what was updated goes back; the rest goes back unchanged
                 run.next += 1
+
+    def _abandon_step(self) -> None:
+        self.wait_for_updates()
+        self.drop_schedule()
+        self._arrived, self._arrived_set = [], set()
+        self._reset_step()
 
     def _update_part(self, opt, bucket, positions: list[int], view_of: dict) -> None:
         positions = [j for j in positions if bucket.params[j].grad is not None]

@@ -1,0 +1,308 @@
+"""Updates during backward (``set_pager(residency="host", update_in_backward=True)``): bit for bit the
+ordinary step of every paged class, on fp32 and bf16 parameters, while parameters really change
+during backward(); what step() is left to do; refusals (GradScaler, a second backward, settings
+that cannot hold) that change nothing; checkpoints, copies, schedulers, parameters without
+gradients, gradients set by hand; the pager's open_pass. The same tests run on CUDA
+(``@pytest.mark.cuda``), where the updates run on a stream of their own beside backward's."""
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pagedopt
+from pagedopt.paging import HostResidentPager
+
+PAGED = [name for name in pagedopt.__all__ if name.startswith("Paged")]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+KiB = 1 << 10
+
+pytestmark = pytest.mark.filterwarnings("ignore::pagedopt.paging.PagingFallbackWarning")
+
+
+class Net(nn.Module):
+    """Layers of several sizes (some under min_8bit_size, so 32-bit states beside 8-bit ones) and a
+    switch that leaves one layer out of the graph (its parameters then get no gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(24, 96)
+        self.norm = nn.LayerNorm(96)
+        self.mid = nn.Linear(96, 96)
+        self.skip = nn.Linear(96, 96)
+        self.out = nn.Linear(96, 40)
+        self.use_skip = True
+
+    def forward(self, x):
+        h = self.norm(torch.nn.functional.gelu(self.inp(x)))
+        h = self.mid(h)
+        if self.use_skip:
+            h = h + self.skip(h)
+        return self.out(h)
+
+
+def _model(device, dtype=torch.float32):
+    torch.manual_seed(0)
+    return Net().to(device, dtype)
+
+
+def _groups(m):
+    big = [m.inp.weight, m.mid.weight, m.skip.weight, m.out.weight]
+    small = [p for p in m.parameters() if all(p is not q for q in big)]
+    return [{"params": big}, {"params": small, "lr": 3e-3}]
+
+
+def _make(name, m, bwd, buffer=None, **kw):
+    """``bwd``: None: resident states; False: host-resident; True: host-resident, updated in backward.
+    The buffer holds the largest parameter's states (mid.weight's 9216 elements times the moments,
+    1 or 4 bytes each, plus 4 KiB for absmax and alignment) with a quarter to spare, so that its
+    chunks (a third of it) cut the whole model's states (about 2.7 times mid.weight's) in three or more."""
+    if buffer is None:
+        moments = 1 if "Lion" in name else 3 if "AdEMAMix" in name else 2
+        buffer = int((9216 * moments * (1 if "8bit" in name else 4) + 4 * KiB) * 1.25)
+    opt = getattr(pagedopt, name)(_groups(m), lr=1e-2, min_8bit_size=1024, **kw)
+    opt.set_pager(residency="host", device_buffer=buffer, update_in_backward=bwd) if bwd is not None else \
+        opt.set_pager(residency="device")
+    return opt
+
+
+def _batches(device, dtype, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(6, 24, generator=g).to(device, dtype) for _ in range(n)]
+
+
+def _steps_taken(opt, m) -> list[float]:
+    return [float(opt.state[p]["step"]) if "step" in opt.state.get(p, {}) else 0.0 for p in m.parameters()]
+
+
+def _train(m, opt, xs, between=None):
+    """Train on xs; per step, how many parameters had been updated (their step counter moved on)
+    when backward() returned."""
+    changed = []
+    for i, x in enumerate(xs):
+        before = _steps_taken(opt, m)
+        m(x).float().square().mean().backward()
+        changed.append(sum(a != b for a, b in zip(before, _steps_taken(opt, m))))
+        opt.step()
+        opt.zero_grad()
+        if between is not None:
+            between(i)
+    return changed
+
+
+def _assert_same(m1, o1, m2, o2):
+    for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+        assert torch.equal(a, b), n
+    s1, s2 = o1.state_dict()["state"], o2.state_dict()["state"]
+    assert s1.keys() == s2.keys()
+    for k in s1:
+        assert s1[k].keys() == s2[k].keys()
+        for kk, v in s1[k].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v.cpu(), s2[k][kk].cpu()), (k, kk)
+
+
+def _require(device):
+    if device == "cuda":
+        from pagedopt import paging
+
+        reason = paging.paging_unavailable_reason("cuda:0")
+        if reason is not None:
+            pytest.skip(reason)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", PAGED)
+def test_bit_for_bit_the_ordinary_step_while_updating_during_backward(device, dtype, name):
+    _require(device)
+    xs = _batches(device, dtype, 5)
+    runs = {}
+    for mode in (None, False, True):  # resident states, host-resident, host-resident updated in backward
+        m = _model(device, dtype)
+        opt = _make(name, m, mode)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        runs[mode] = (m, opt, _train(m, opt, xs, between=lambda i: sched.step()))
+    _assert_same(*runs[None][:2], *runs[True][:2])
+    _assert_same(*runs[False][:2], *runs[True][:2])
+    n = len(list(runs[True][0].parameters()))
+    # the first step is ordinary (it makes the states and learns the order of the gradients); from
+    # the second on, every parameter is updated before backward() returns (the last chunk in the
+    # last gradient's hook), in several chunks
+    assert runs[True][2][0] == 0 and runs[False][2] == [0] * 5
+    assert all(c == n for c in runs[True][2][1:]), runs[True][2]
+    bwd = runs[True][1]._backward_updates
+    assert len(next(iter(bwd._schedule.values()))) >= 3
+    # each step copies every state in and back once, as the ordinary host-resident step does
+    assert runs[True][1].paging_stats().page_in_bytes_last_step == runs[False][1].paging_stats().page_in_bytes_last_step
+    assert runs[True][1].paging_stats().page_out_bytes_last_step == runs[False][1].paging_stats().page_in_bytes_last_step
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parameters_without_gradients_or_with_gradients_set_by_hand(device):
+    _require(device)
+    xs = _batches(device, torch.float32, 6)
+    runs = []
+    for bwd in (False, True):
+        m = _model(device)
+        opt = _make("PagedAdamW8bit", m, bwd)
+
+        def between(i, m=m, opt=opt):
+            m.use_skip = i not in (1, 2)  # steps 2 and 3 leave `skip` out: its parameters get no gradient
+            if i == 3:  # a step whose gradients come from no backward: no hook fires, step() does it all
+                g = torch.Generator().manual_seed(7)
+                for p in m.parameters():
+                    p.grad = torch.randn(p.shape, generator=g).to(device)
+                opt.step()
+                opt.zero_grad()
+        runs.append((m, opt, _train(m, opt, xs, between)))
+    _assert_same(*runs[0][:2], *runs[1][:2])
+    assert all(c > 0 for c in runs[1][2][1:])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_second_backward_before_step_raises_and_accumulation_turns_it_off(device):
+    _require(device)
+    xs = _batches(device, torch.float32, 9)
+    m = _model(device)
+    opt = _make("PagedAdamW8bit", m, True)
+    _train(m, opt, xs[:2])
+    m(xs[2]).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[5\] received a second gradient before "
+                       r"step\(\).*update_in_backward = False"):
+        m(xs[3]).square().mean().backward()
+    # gradient accumulation: off for the micro-batches before the last, on for the last
+    runs = []
+    for bwd in (False, True):
+        m = _model(device)
+        opt = _make("PagedAdamW8bit", m, bwd)
+        _train(m, opt, xs[:2])
+        for k in range(2):
+            for j, x in enumerate(xs[2 + 3 * k:5 + 3 * k]):
+                if bwd:
+                    opt.update_in_backward = j == 2
+                m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((m, opt))
+    assert runs[1][1].update_in_backward
+    _assert_same(*runs[0], *runs[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_scaler_is_refused_before_anything_changes(device):
+    _require(device)
+    xs = _batches(device, torch.float32, 3)
+    m = _model(device)
+    opt = _make("PagedAdamW8bit", m, True)
+    scaler = torch.amp.GradScaler(device)
+    saved = copy.deepcopy(opt.state_dict())
+    before = [p.detach().clone() for p in m.parameters()]
+    scaler.scale(m(xs[0]).square().mean()).backward()
+    with pytest.raises(RuntimeError, match="update_in_backward=True cannot run under GradScaler"):
+        scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    assert opt.state_dict()["state"] == saved["state"] == {}
+    # turned off, the scaler works as for any optimizer
+    opt.update_in_backward = False
+    scaler.step(opt)
+    scaler.update()
+    assert not all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+
+
+def test_settings_that_cannot_hold_are_refused():
+    m = _model("cpu")
+    with pytest.raises(ValueError, match="update_in_backward=True goes with residency='host'"):
+        pagedopt.PagedAdamW8bit(m.parameters()).set_pager(residency="device", update_in_backward=True)
+    with pytest.raises(ValueError, match="update_in_backward=True goes with residency='host'"):
+        pagedopt.PagedAdamW8bit(m.parameters()).set_pager(device_budget="1GiB", update_in_backward=True)
+    with pytest.raises(ValueError, match="update_in_backward must be True or False, got 1"):
+        pagedopt.PagedAdamW8bit(m.parameters()).set_pager(residency="host", update_in_backward=1)
+    with pytest.raises(ValueError, match=r"capturable=True"):
+        pagedopt.PagedAdamW8bit(m.parameters(), capturable=True).set_pager(residency="host", update_in_backward=True)
+    opt = pagedopt.PagedAdamW8bit(m.parameters())
+    assert opt.update_in_backward is False
+    opt.update_in_backward = False  # nothing to turn off
+    with pytest.raises(ValueError, match=r"set_pager\(residency='host', update_in_backward=True\) first"):
+        opt.update_in_backward = True
+    opt.set_pager(residency="host", update_in_backward=True)
+    with pytest.raises(ValueError, match="update_in_backward must be True or False, got 'yes'"):
+        opt.update_in_backward = "yes"
+    assert opt.update_in_backward is True
+    # a refused set_pager leaves the optimizer as it was: no hooks were added
+    other = pagedopt.PagedAdamW8bit(m.parameters())
+    hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in m.parameters())
+    with pytest.raises(ValueError):
+        other.set_pager(residency="device", update_in_backward=True)
+    assert sum(len(p._post_accumulate_grad_hooks or {}) for p in m.parameters()) == hooks
+    assert other._backward_updates is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checkpoints_copies_and_load_state_dict_between_steps(device):
+    _require(device)
+    xs = _batches(device, torch.float32, 6)
+    ref_m = _model(device)
+    ref = _make("PagedAdamW8bit", ref_m, False)
+    m = _model(device)
+    opt = _make("PagedAdamW8bit", m, True)
+    _train(ref_m, ref, xs[:3])
+    _train(m, opt, xs[:3])
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    resumed_m = copy.deepcopy(m)
+    resumed = _make("PagedAdamW8bit", resumed_m, True)
+    resumed.load_state_dict(saved)
+    twin_m, twin = copy.deepcopy((m, opt))  # the copy's parameters are the copied model's, with hooks of their own
+    assert twin.update_in_backward and twin._backward_updates is not opt._backward_updates
+    opt.load_state_dict(saved)  # between steps: the schedule is made again
+    counts = [_train(*pair, xs[3:]) for pair in ((ref_m, ref), (m, opt), (resumed_m, resumed), (twin_m, twin))]
+    for mm, oo in ((m, opt), (resumed_m, resumed), (twin_m, twin)):
+        _assert_same(ref_m, ref, mm, oo)
+    for c in counts[1:]:
+        assert c[0] == 0 and all(x > 0 for x in c[1:]), counts  # one ordinary step after a load, then in backward
+
+
+def test_a_bad_gradient_met_during_backward_names_the_parameter():
+    m = _model("cpu")
+    bad = {"on": False}  # a hook of the user's, before the optimizer's: it spoils mid.weight's gradient
+    m.mid.weight.grad_dtype = None  # torch refuses a float64 gradient of a float32 tensor otherwise
+    m.mid.weight.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", p.grad.double()) if bad["on"] else None)
+    opt = _make("PagedAdamW8bit", m, True)
+    xs = _batches("cpu", torch.float32, 4)
+    _train(m, opt, xs[:2])
+    bad["on"] = True
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].*gradient dtype torch.float64.*"
+                       r"met during backward with update_in_backward=True"):
+        m(xs[2]).square().mean().backward()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].*gradient dtype torch.float64"):
+        opt.step()  # the ordinary step refuses it too, before anything changes
+    bad["on"] = False
+    opt.zero_grad()
+    assert _train(m, opt, xs[2:])[1] > 0  # the step after is ordinary (a new schedule), then in backward again
+
+
+def test_open_pass_hands_out_groups_in_order_and_a_dropped_pass_is_harmless():
+    pager = HostResidentPager(4096, prefetch_depth=1)
+    groups = [[torch.full((200,), float(i))] for i in range(6)]
+    p = pager.open_pass("cpu", groups)
+    with pytest.raises(RuntimeError, match=r"take\(1\): groups are taken in order"):
+        p.take(1)
+    views = p.take(0)
+    with pytest.raises(RuntimeError, match=r"take\(1\).*after give_back"):
+        p.take(1)
+    with pytest.raises(RuntimeError, match=r"give_back\(1\): group 1 is not the one taken"):
+        p.give_back(1)
+    views[0].add_(10)
+    p.give_back(0)
+    p.take(1)[0].add_(10)  # taken and dropped without give_back: nothing goes back
+    del p
+    for i, views in pager.stream("cpu", groups):
+        views[0].mul_(2)
+    assert [g[0][0].item() for g in groups] == [20.0, 2.0, 4.0, 6.0, 8.0, 10.0]
