@@ -110,12 +110,12 @@ class Mode:
     note: str = ""
 
 
-def _pagedopt(cls: str, residency: Optional[str] = None):
+def _pagedopt(cls: str, residency: Optional[str] = None, update_in_backward: bool = False):
     def make(params, device):
         import pagedopt
         opt = getattr(pagedopt, cls)(params, **HYPER)
-        if residency is not None:
-            opt.set_pager(residency=residency)  # the default device buffer (256 MiB)
+        if residency is not None:  # the default device buffer (256 MiB)
+            opt.set_pager(residency=residency, update_in_backward=update_in_backward)
         return opt
     return make
 
@@ -144,13 +144,15 @@ MODES = [
          note="page_out() after every step (copy engine into host copies)"),
     Mode("pagedopt_paged_adamw8bit_host", _pagedopt("PagedAdamW8bit", "host"),
          note="residency='host': states on the host, streamed through a 256 MiB device buffer"),
+    Mode("pagedopt_paged_adamw8bit_host_bwd", _pagedopt("PagedAdamW8bit", "host", update_in_backward=True),
+         note="residency='host', update_in_backward=True: states stream in and back during backward"),
     Mode("bnb_adamw8bit", _bnb("AdamW8bit"), cuda_only=True),
     Mode("bnb_paged_adamw8bit", _bnb("PagedAdamW8bit"), cuda_only=True, note="paged, resident"),
     Mode("torchao_cpu_offload", _torchao_offload, cuda_only=True,
          note="CPUOffloadOptimizer(AdamW, fused=True): AdamW on the CPU, states on the host"),
 ]
 SMOKE_MODES = ("torch_adamw_fused", "pagedopt_adamw8bit", "pagedopt_paged_adamw8bit_pageout",
-               "pagedopt_paged_adamw8bit_host")
+               "pagedopt_paged_adamw8bit_host", "pagedopt_paged_adamw8bit_host_bwd")
 
 
 # --------------------------------------------------------------------------- one mode (child)

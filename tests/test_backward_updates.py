@@ -306,3 +306,28 @@ def test_open_pass_hands_out_groups_in_order_and_a_dropped_pass_is_harmless():
     for i, views in pager.stream("cpu", groups):
         views[0].mul_(2)
     assert [g[0][0].item() for g in groups] == [20.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_model_and_the_memory_it_holds():
+    """A torch.compile'd model (its backward runs the hooks as an eager one does), bit for bit the
+    ordinary host-resident step; updates during backward hold no more GPU memory than it: the same
+    device buffer, and per chunk only the kernels' metadata (1 MiB is far above it)."""
+    _require("cuda")
+    xs = _batches("cuda", torch.float32, 5)
+    runs = []
+    for bwd in (False, True):
+        m = _model("cuda")
+        opt = _make("PagedAdamW8bit", m, bwd)
+        compiled = torch.compile(m)
+        _train(compiled, opt, xs[:2])
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        counts = _train(compiled, opt, xs[2:])
+        torch.cuda.synchronize()
+        runs.append((m, opt, counts, torch.cuda.max_memory_allocated() - before))
+    _assert_same(*runs[0][:2], *runs[1][:2])
+    n = len(list(runs[1][0].parameters()))
+    assert runs[1][2] == [n] * 3 and runs[0][2] == [0] * 3
+    assert runs[1][3] <= runs[0][3] + (1 << 20), (runs[1][3], runs[0][3])

@@ -176,7 +176,7 @@ def test_bench_train_smoke(tmp_path):
         doc = json.load(f)
     recs = {r["mode"]: r for r in doc["records"]}
     assert set(recs) == {"torch_adamw_fused", "pagedopt_adamw8bit", "pagedopt_paged_adamw8bit_pageout",
-                         "pagedopt_paged_adamw8bit_host"}
+                         "pagedopt_paged_adamw8bit_host", "pagedopt_paged_adamw8bit_host_bwd"}
     for r in recs.values():
         assert "skipped" not in r, r
         assert _positive(r["step_ms"]) and len(r["step_ms_all"]) == 2
@@ -190,5 +190,7 @@ def test_bench_train_smoke(tmp_path):
     assert recs["pagedopt_paged_adamw8bit_pageout"]["losses"] == recs["pagedopt_adamw8bit"]["losses"]
     # nor does streaming host-resident states through the device buffer
     assert recs["pagedopt_paged_adamw8bit_host"]["losses"] == recs["pagedopt_adamw8bit"]["losses"]
+    # nor updating them during backward (its second and third steps do)
+    assert recs["pagedopt_paged_adamw8bit_host_bwd"]["losses"] == recs["pagedopt_adamw8bit"]["losses"]
     if _has_matplotlib():
         assert (tmp_path / "train.png").stat().st_size > 0
