@@ -8,6 +8,7 @@
 # .devbuild/_C.*.so: an extension built for the device's python3 and torch (optional).
 # .whl/*.whl: the peers' wheels (bitsandbytes, torchao), installed into /tmp/site (optional).
 # PROBE_S (default 0: off): run scripts/probe_page_in.cu first, for at most that many seconds.
+# STRESS_S (default 0: off): run scripts/stress_host_residency.py for that many seconds.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -29,10 +30,15 @@ fi
 if [ "${PROBE_S:-0}" != 0 ]; then
   log "probe_page_in"; nvcc -O2 -arch=sm_90 -o /tmp/probe_in scripts/probe_page_in.cu && timeout "$PROBE_S" /tmp/probe_in | tee "$OUT/probe_page_in.txt"
 fi
+if [ "${STRESS_S:-0}" != 0 ]; then  # the intermittent host-residency NaN hunt (scripts/stress_host_residency.py)
+  log "stress_host_residency"; timeout $((STRESS_S + 60)) python3 scripts/stress_host_residency.py --seconds "$STRESS_S" \
+    2>&1 | tee "$OUT/stress.txt" | tail -n 12
+fi
 if [ "${TEST_S:-170}" != 0 ]; then
 log "pytest -m cuda"
 timeout "${TEST_S:-170}" python3 -m pytest -m cuda -q -p no:cacheprovider ${TESTS:-tests/test_host_paging_cuda.py \
-  tests/test_paging_cuda.py tests/test_optim_cuda.py tests/test_checkpoint_cuda.py} > "$OUT/pytest_cuda.log" 2>&1
+  tests/test_paging_cuda.py tests/test_optim_cuda.py tests/test_checkpoint_cuda.py tests/test_backward_updates.py} \
+  > "$OUT/pytest_cuda.log" 2>&1
 log "pytest rc=$?: $(tail -n 1 "$OUT/pytest_cuda.log")"; grep -E "passed|failed" "$OUT/pytest_cuda.log" | tail -n 2; grep -E "^(FAILED|ERROR)|^E  " "$OUT/pytest_cuda.log" | head -"${FAIL_LINES:-20}"
 fi
 if [ "${STEP_S:-150}" != 0 ]; then
@@ -45,7 +51,7 @@ fi
 if [ "${TRAIN_S:-200}" != 0 ]; then
   log "bench_train"
   timeout "${TRAIN_S:-200}" python3 bench/bench_train.py --warmup 2 --steps "${TRAIN_STEPS:-6}" --out "$OUT" --modes \
-    "${TRAIN_MODES:-pagedopt_adamw8bit,pagedopt_paged_adamw8bit,pagedopt_paged_adamw8bit_pageout,pagedopt_paged_adamw8bit_host,torch_adamw_fused}" \
+    "${TRAIN_MODES:-pagedopt_adamw8bit,pagedopt_paged_adamw8bit,pagedopt_paged_adamw8bit_pageout,pagedopt_paged_adamw8bit_host,pagedopt_paged_adamw8bit_host_bwd,torch_adamw_fused}" \
     > "$OUT/bench_train.log" 2>&1
   log "bench_train rc=$?"; tail -n 12 "$OUT/bench_train.log"
 fi

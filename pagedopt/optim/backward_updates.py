@@ -228,7 +228,9 @@ class BackwardUpdates:
         if device.type != "cuda":
             return None
         if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
+            # high priority: a chunk's update runs as soon as it may, between backward's kernels, so
+            # that its region of the device buffer comes free for the next copy in
+            self._streams[device] = torch.cuda.Stream(device, priority=-1)
         return self._streams[device]
 
     def _update_chunk(self, opt, device: torch.device, run: _Run) -> None:
