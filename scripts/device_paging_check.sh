@@ -50,10 +50,14 @@ if [ "${STEP_S:-150}" != 0 ]; then
 fi
 if [ "${TRAIN_S:-200}" != 0 ]; then
   log "bench_train"
-  timeout "${TRAIN_S:-200}" python3 bench/bench_train.py --warmup 2 --steps "${TRAIN_STEPS:-6}" --out "$OUT" --modes \
+  timeout "${TRAIN_S:-200}" python3 bench/bench_train.py --warmup 2 --steps "${TRAIN_STEPS:-6}" --out /tmp/train_out --modes \
     "${TRAIN_MODES:-pagedopt_adamw8bit,pagedopt_paged_adamw8bit,pagedopt_paged_adamw8bit_pageout,pagedopt_paged_adamw8bit_host,pagedopt_paged_adamw8bit_host_bwd,torch_adamw_fused}" \
     > "$OUT/bench_train.log" 2>&1
-  log "bench_train rc=$?"; tail -n 12 "$OUT/bench_train.log"
+  log "bench_train rc=$?"; tail -n 12 "$OUT/bench_train.log"; cp /tmp/train_out/train.json /tmp/train_out/train.png "$OUT"/ 2>/dev/null
+fi
+if [ -n "${PROFILE_MODES:-}" ]; then  # one step per mode under torch.profiler (scripts/profile_train_step.py)
+  log "profile_train_step"; timeout "${PROFILE_S:-120}" python3 scripts/profile_train_step.py --modes "$PROFILE_MODES" \
+    > "$OUT/profile.txt" 2>&1; log "profile rc=$?"; grep -v Warning "$OUT/profile.txt" | tail -n 40
 fi
 if [ "${PAGING_S:-70}" != 0 ]; then
   log "bench_paging"

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
+import sys
 import time
 
 import torch
 
-import pagedopt
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import pagedopt  # noqa: E402
 
 MiB = 1 << 20
 

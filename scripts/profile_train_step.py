@@ -1,0 +1,120 @@
+"""Where a training step of bench/bench_train.py's model spends its time, per optimizer mode: one
+step under torch.profiler (after warm-ups), summarised as a GPU timeline relative to the step's
+start: forward and backward (their CPU spans), the span and busy time of host-to-device and
+device-to-host copies, and of the optimizer's kernels. For the host-resident modes this shows
+whether the link is busy or waiting (for gradients, for regions of the device buffer).
+
+    python scripts/profile_train_step.py --modes pagedopt_paged_adamw8bit_host_bwd,pagedopt_paged_adamw8bit
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import bench_train as BT  # noqa: E402
+
+
+def _busy(intervals):
+    """Total length of the union of [start, end) intervals."""
+    total, end = 0.0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def profile_mode(name: str, layers: int, warmup: int) -> None:
+    mode = {m.name: m for m in BT.MODES}[name]
+    cfg = BT.ModelConfig() if layers is None else BT.ModelConfig(layers=layers)
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = BT.CausalLM(cfg).to(device)
+    opt = mode.make(list(model.parameters()), device)
+    tokens = torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), device=device)
+    marks = {}
+
+    def step(mark=False):
+        ev = lambda k: (marks.setdefault(k, torch.cuda.Event(enable_timing=True)).record() if mark else None)  # noqa: E731
+        ev("start")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+        ev("forward")
+        loss.backward()
+        ev("backward")
+        opt.step()
+        ev("step")
+        opt.zero_grad(set_to_none=True)
+        if mode.page_out:
+            opt.page_out()
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step(mark=True)
+        torch.cuda.synchronize()
+    ms = {k: marks["start"].elapsed_time(e) for k, e in marks.items()}
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not evs:
+        print(name, "no CUDA events recorded")
+        return
+    t0 = min(e.time_range.start for e in evs)
+    kinds = {"HtoD": [], "DtoH": [], "opt kernels": [], "all kernels": []}
+    for e in evs:
+        iv = ((e.time_range.start - t0) / 1e3, (e.time_range.end - t0) / 1e3)
+        n = e.name
+        if "Memcpy HtoD" in n:
+            kinds["HtoD"].append(iv)
+        elif "Memcpy DtoH" in n:
+            kinds["DtoH"].append(iv)
+        else:
+            kinds["all kernels"].append(iv)
+            if "step" in n.lower() and ("pagedopt" in n.lower() or "eight_bit" in n.lower() or "adam" in n.lower()):
+                kinds["opt kernels"].append(iv)
+    print(f"\n== {name}: events (ms from the step's start, GPU): forward {ms['forward']:.1f}, backward "
+          f"{ms['backward']:.1f}, step {ms['step']:.1f}")
+    for k, ivs in kinds.items():
+        if ivs:
+            print(f"   {k:12s} n={len(ivs):5d} first {min(s for s, _ in ivs):7.2f}  last end {max(e for _, e in ivs):7.2f}"
+                  f"  busy {_busy(ivs):7.2f} ms")
+    # the copies' busy time in 5 ms windows: where the link waits
+    for k in ("HtoD", "DtoH"):
+        ivs = kinds[k]
+        if not ivs:
+            continue
+        end = max(e for _, e in ivs)
+        row = []
+        w = 0.0
+        while w < end:
+            clipped = [(max(s, w), min(e, w + 5)) for s, e in ivs if e > w and s < w + 5]
+            row.append(f"{_busy(clipped) / 5 * 100:3.0f}")
+            w += 5
+        print(f"   {k} % busy per 5 ms: {' '.join(row)}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--modes", default="pagedopt_paged_adamw8bit_host_bwd,pagedopt_paged_adamw8bit_host")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    for name in args.modes.split(","):
+        profile_mode(name, args.layers, args.warmup)
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
