@@ -57,13 +57,29 @@ def one_round(name: str, dtype, variant: str, it: int) -> dict:
     return out
 
 
+def _one_stream() -> None:
+    """Diagnostic variant: the pager's copies run on the caller's stream (no cross-stream ordering)."""
+    from pagedopt.paging import host_resident as hr
+
+    def streams_of(self, device, be):
+        s = be.current_stream(device.index)
+        return (s, s)
+    hr.HostResidentPager._streams_of = streams_of
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--names", default="PagedAdam,PagedAdamW8bit")
+    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--variants", default="drop,sync")
+    ap.add_argument("--one-stream", action="store_true", help="copies on the caller's stream (diagnostic)")
     args = ap.parse_args()
-    cases = [(n, d, v) for n in args.names.split(",") for d in (torch.bfloat16, torch.float32)
-             for v in ("drop", "sync")]
+    if args.one_stream:
+        _one_stream()
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    cases = [(n, dtypes[d], v) for n in args.names.split(",") for d in args.dtypes.split(",")
+             for v in args.variants.split(",")]
     tally = {c: {"rounds": 0, "ref_nan": 0, "host_nan": 0, "differ": 0} for c in cases}
     end = time.time() + args.seconds
     it = 0
