@@ -60,6 +60,27 @@ def profile_mode(name: str, layers: int, warmup: int) -> None:
 
     for _ in range(warmup):
         step()
+    # a few steps without the profiler (which slows the host, and so the hooks' work, several times):
+    # the GPU times of forward, backward and step() marks, and the chunks' updates during backward
+    bwd = getattr(opt, "_backward_updates", None)
+    rows = []
+    for _ in range(3):
+        if bwd is not None:
+            bwd.trace = []
+        step(mark=True)
+        torch.cuda.synchronize()
+        rows.append({k: marks["start"].elapsed_time(e) for k, e in marks.items()})
+    med = {k: sorted(r[k] for r in rows)[1] for k in rows[0]}
+    stats = opt.paging_stats() if getattr(opt, "is_paged", False) else None
+    print(f"\n== {name}, no profiler (median of 3, ms from the step's start): forward {med['forward']:.1f}, "
+          f"backward {med['backward']:.1f}, step {med['step']:.1f}; transfers "
+          f"{getattr(stats, 'transfer_ms_last_step', None)}")
+    if bwd is not None and bwd.trace:
+        t0 = marks["start"]
+        print("   chunk  grads ready  update start  update end   (last step)")
+        for k, ready, start, end in bwd.trace:
+            print(f"   {k:5d}  {t0.elapsed_time(ready):11.2f}  {t0.elapsed_time(start):12.2f}  {t0.elapsed_time(end):10.2f}")
+        bwd.trace = None
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:

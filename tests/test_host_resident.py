@@ -300,3 +300,29 @@ def test_settle_makes_host_states_readable_and_is_a_no_op_unpaged():
     opt.settle()
     assert waited == [True]
     pagedopt.AdamW8bit(_params()).settle()  # unpaged: nothing to do, no error
+
+
+def test_neighbouring_host_tensors_move_in_one_copy_and_the_others_stay_untouched():
+    pager = HostResidentPager(1 << 20)
+    ts = [pager.zeros((n,), torch.float32, "cpu") for n in (100, 3, 64, 257)]  # carved one after the other
+    for i, t in enumerate(ts):
+        t.copy_(torch.arange(t.numel(), dtype=torch.float32) + 1000 * i)
+    before = [t.clone() for t in ts]
+    # ts[2] lies between ts[1] and ts[3]: group 0 moves in two copies (ts[1], ts[0] in any order are one)
+    p = pager.open_pass("cpu", [[ts[1], ts[3], ts[0]], [ts[2]]])
+    assert [len(layout.runs) for layout in p.layouts] == [2, 1]
+    views = p.take(0)
+    assert all(torch.equal(v, t) for v, t in zip(views, [ts[1], ts[3], ts[0]]))
+    assert all((v.data_ptr() - v.untyped_storage().data_ptr()) % REGION_ALIGN == 0 for v in views)  # aligned in the buffer
+    for v in views:
+        v.mul_(-1)
+    p.give_back(0)
+    assert torch.equal(ts[2], before[2])  # not in the group: its bytes neither went out nor came back
+    assert all(torch.equal(ts[i], -before[i]) for i in (0, 1, 3))
+    views = p.take(1)
+    views[0].add_(0.5)
+    p.give_back(1)
+    assert torch.equal(ts[2], before[2] + 0.5) and torch.equal(ts[3], -before[3])
+    # tensors of storages of their own (not from zeros()) move one copy each
+    own = [torch.ones(10), torch.ones(20)]
+    assert len(pager.open_pass("cpu", [own]).layouts[0].runs) == 2

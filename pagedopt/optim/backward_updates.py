@@ -93,6 +93,8 @@ class BackwardUpdates:
         self._checked = False                 # the schedule was checked against the optimizer this step
         self._began = False                   # the pager was told that a step began
         self._streams: dict = {}
+        self.trace: Optional[list] = None     # a list: per chunk update, (chunk, gradients ready, update
+        # started, update done) as CUDA timing events (scripts/profile_train_step.py reads it)
 
     # ------------------------------------------------------------------ hooks
     def hook_params(self, params) -> None:
@@ -198,15 +200,13 @@ class BackwardUpdates:
                          if k in b.states[j])
             chunks = schedule.setdefault(b.device, [])
             if not chunks or (sizes[b.device] + nbytes > limit and chunks[-1][1]):
-                chunks.append(([], []))
+                chunks.append(({}, []))
                 sizes[b.device] = 0
             parts, ids = chunks[-1]
-            if parts and parts[-1][0] == bi:
-                parts[-1][1].append(j)
-            else:
-                parts.append((bi, [j]))
+            parts.setdefault(bi, []).append(j)  # one fused call per bucket in a chunk
             ids.append(pid)
             sizes[b.device] += nbytes
+        schedule = {device: [(list(parts.items()), ids) for parts, ids in chunks] for device, chunks in schedule.items()}
         self._plan, self._schedule = plan, schedule
         self._chunk_of = {pid: (device, k) for device, chunks in schedule.items()
                           for k, (_, ids) in enumerate(chunks) for pid in ids}
@@ -242,10 +242,17 @@ class BackwardUpdates:
             self._began = True
             opt._pager.begin_step()  # the step's first chunk
         stream = self._stream(device)
+        marks = None
         if stream is not None:
+            if self.trace is not None:
+                marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                marks[0].record(torch.cuda.current_stream(device))
+                self.trace.append((k, *marks))
             stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             views = run.pass_.take(k)
+            if marks is not None:
+                marks[1].record(stream)
             view_of = {id(t): v for t, v in zip(run.pass_.groups[k], views)}
             try:
                 for bi, positions in parts:
@@ -256,6 +263,8 @@ class BackwardUpdates:
                                  "updated earlier in this backward keep their update; call zero_grad() and go on, "
                                  "or load a checkpoint)") from None
             finally:
+                if marks is not None:
+                    marks[2].record(stream)
                 run.pass_.give_back(k)  # what was updated goes back; the rest goes back unchanged
                 run.next += 1
 

@@ -16,6 +16,7 @@ Part of :mod:`pagedopt.paging`, which re-exports :class:`HostResidentPager`.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from typing import Iterable, Iterator, Optional, Sequence
 
@@ -29,6 +30,9 @@ from .migration import _CudaBackend
 # loads are 16 bytes; 256 also keeps every view as aligned as a fresh allocation).
 REGION_ALIGN = 256
 DEFAULT_DEVICE_BUFFER = 256 << 20
+# Host tensors of at most a quarter of this are carved one after the other from page-locked slabs of
+# this size (fewer, larger copies; and one cudaHostAlloc per slab instead of per tensor)
+HOST_SLAB_BYTES = 64 << 20
 
 
 def _aligned(n: int) -> int:
@@ -77,6 +81,19 @@ class _TimedCudaBackend(_CudaBackend):
         return torch.cuda.Event(enable_timing=True)
 
 
+class _Layout:
+    """A group's place in a region: each tensor's offset, the region's size, and its copies: runs
+    of (a tensor of the run, its storage's first and end byte, offset in the region)."""
+    __slots__ = ("offsets", "size", "runs")
+
+    def __init__(self, offsets: list[int], size: int, runs: list):
+        self.offsets, self.size, self.runs = offsets, size, runs
+
+    def host_bytes(self, t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """The bytes [start, end) of ``t``'s storage, as a flat uint8 tensor."""
+        return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), start, (end - start,))
+
+
 class _Region:
     __slots__ = ("start", "end", "offsets", "copied_back")
 
@@ -110,6 +127,9 @@ class HostResidentPager:
             raise ValueError(f"prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
         self.device_buffer_bytes = device_buffer_bytes
         self.prefetch_depth = prefetch_depth
+        self.host_slab_bytes = HOST_SLAB_BYTES
+        self._slab = None  # the page-locked slab small tensors are carved from, and how much of it is used
+        self._slab_used = 0
         self._tensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> host tensor
         self._buffers: dict[torch.device, torch.Tensor] = {}
         self._streams: dict[torch.device, tuple] = {}  # device -> (copy-in stream, copy-back stream)
@@ -142,14 +162,26 @@ class HostResidentPager:
             shape = (shape,)
         shape = [int(s) for s in shape]
         _as_device(device)  # a bad device name raises here, as torch.zeros would
-        if self._pinned_available():
-            t = torch.ops.pagedopt.pinned_empty(shape, dtype)
-            t.zero_()
-        else:
-            t = torch.zeros(shape, dtype=dtype)
-        if t.numel():
-            self._tensors[id(t)] = t
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return torch.zeros(shape, dtype=dtype)
+        if nbytes > self.host_slab_bytes // 4:
+            t = self._host_bytes_block(nbytes).view(dtype).view(shape)
+        else:  # carved from a slab: tensors made one after the other lie next to each other (one copy per run)
+            if self._slab is None or self._slab_used + nbytes > self.host_slab_bytes:
+                self._slab = self._host_bytes_block(self.host_slab_bytes).untyped_storage()
+                self._slab_used = 0
+            offset = self._slab_used
+            t = torch.empty(0, dtype=dtype).set_(self._slab, offset // dtype.itemsize, shape)
+            self._slab_used = _aligned(offset + nbytes)
+        t.zero_()
+        self._tensors[id(t)] = t
         return t
+
+    def _host_bytes_block(self, nbytes: int) -> torch.Tensor:
+        if self._pinned_available():
+            return torch.ops.pagedopt.pinned_empty([nbytes], torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def _host_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in list(self._tensors.values()))
@@ -221,18 +253,36 @@ class HostResidentPager:
             self._streams[device] = streams
         return self._streams[device]
 
-    def _layout(self, group: list[torch.Tensor], where: str) -> tuple[list[int], int]:
-        offsets, size = [], 0
+    def _layout(self, group: list[torch.Tensor], where: str) -> "_Layout":
+        """Where each tensor of ``group`` goes in its region, and the copies that move the group:
+        tensors that lie next to each other in one host storage (as the tensors of ``zeros()``
+        do, carved one after the other from page-locked slabs) keep their relative places in the
+        region, so that each such run moves in one copy instead of one per tensor."""
         for t in group:
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(f"{where}: HostResidentPager streams contiguous host tensors, got a "
                                  f"{'non-contiguous ' if not t.is_contiguous() else ''}{t.device} tensor")
-            offsets.append(size)
-            size += _aligned(t.numel() * t.element_size())
+        spans = []  # (storage address, first byte, end byte, position in the group)
+        for j, t in enumerate(group):
+            start = t.storage_offset() * t.element_size()
+            spans.append((t.untyped_storage().data_ptr(), start, start + t.numel() * t.element_size(), j))
+        spans.sort()
+        offsets = [0] * len(group)
+        runs = []  # (position of the run's first tensor, first byte, end byte, offset in the region)
+        size = 0
+        for addr, start, end, j in spans:
+            last = runs[-1] if runs else None
+            if last is not None and addr == last[4] and 0 <= start - last[2] < REGION_ALIGN:
+                offsets[j] = last[3] + start - last[1]
+                runs[-1] = (last[0], last[1], max(last[2], end), last[3], addr)
+            else:
+                offsets[j] = size
+                runs.append((j, start, end, size, addr))
+            size = _aligned(runs[-1][3] + runs[-1][2] - runs[-1][1])
         if size > self.device_buffer_bytes:
             raise ValueError(f"{where} needs {size} bytes of device buffer, more than device_buffer_bytes="
                              f"{self.device_buffer_bytes}; raise the device buffer or split the group")
-        return offsets, size
+        return _Layout(offsets, size, [(group[j], start, end, off) for j, start, end, off, _ in runs])
 
     def stream(self, device: DeviceLike, groups: Sequence[Sequence[torch.Tensor]]) -> Iterator[tuple[int, list]]:
         """The pass: ``for i, views in pager.stream(device, groups): work on views`` (on the current
@@ -308,19 +358,20 @@ class StreamPass:
         return start, end
 
     def _copy_in_group(self, k: int) -> bool:
-        offsets, size = self.layouts[k]
-        spot = self._place(size)
+        layout = self.layouts[k]
+        spot = self._place(layout.size)
         if spot is None:
             return False
         start, end = spot
-        region = _Region(start, end, offsets)
+        region = _Region(start, end, layout.offsets)
         for r in list(self._returning):
             if r.start < end and start < r.end:
                 self._copy_in.wait_event(r.copied_back)
                 self._returning.remove(r)
         with self._be.use_stream(self._copy_in):
-            for t, off in zip(self.groups[k], offsets):
-                self.pager._view(self._buf, start + off, t).copy_(t, non_blocking=True)
+            for t, first, last, off in layout.runs:
+                self._buf[start + off:start + off + last - first].copy_(layout.host_bytes(t, first, last),
+                                                                        non_blocking=True)
         ev = self._be.new_event()
         ev.record(self._copy_in)
         self._regions[k], self._ready[k] = region, ev
@@ -360,11 +411,13 @@ class StreamPass:
         done = be.new_event()
         done.record(be.current_stream(self.device.index))
         self._copy_back.wait_event(done)
-        with be.use_stream(self._copy_back):
-            for t, v in zip(self.groups[i], self._views):
-                t.copy_(v, non_blocking=True)
-                pager._moved_out += t.numel() * t.element_size()
         region = self._regions[i]
+        layout = self.layouts[i]
+        with be.use_stream(self._copy_back):
+            for t, first, last, off in layout.runs:
+                layout.host_bytes(t, first, last).copy_(self._buf[region.start + off:region.start + off + last - first],
+                                                        non_blocking=True)
+        pager._moved_out += sum(t.numel() * t.element_size() for t in self.groups[i])
         last = region.copied_back = be.new_event()
         last.record(self._copy_back)
         pager._last_copy_back[self.device] = last  # the next pass (and settle) wait for it, even if this one stops here
