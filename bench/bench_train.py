@@ -206,13 +206,22 @@ def run_mode(mode: Mode, cfg: ModelConfig, device, warmup: int, steps: int, seed
         C.sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
         losses.append(float(loss))
+    # the same number of steps back to back, synchronised only before and after: the time per step
+    # of a training loop, where what a step leaves in flight (copies back) overlaps the next forward
+    C.sync(device)
+    t0 = time.perf_counter()
+    loop_losses = [train_step() for _ in range(steps)]  # tensors: reading them would wait for each step
+    C.sync(device)
+    loop_ms = (time.perf_counter() - t0) * 1e3 / steps
     rec = {
         "mode": mode.name,
+        "loop_step_ms": loop_ms,
         "note": mode.note,
         "params": sum(p.numel() for p in params),
         "step_ms": statistics.median(times),
         "step_ms_all": times,
         "losses": losses,
+        "loop_losses": [float(x) for x in loop_losses],
         "max_memory_allocated": torch.cuda.max_memory_allocated(device) if C.is_cuda(device) else None,
         "device_used_peak": max(peaks.values()) if C.is_cuda(device) else None,
         "device_used_after_backward": peaks["after_backward"] if C.is_cuda(device) else None,
@@ -246,13 +255,14 @@ def result_table(records: list[dict]) -> str:
     rows = []
     for r in records:
         if "skipped" in r:
-            rows.append([r["mode"], None, None, None, None, None, None, "skipped: " + r["skipped"]])
+            rows.append([r["mode"], None, None, None, None, None, None, None, "skipped: " + r["skipped"]])
             continue
         in_gib = [r.get(k) / gib if r.get(k) is not None else None
                   for k in ("max_memory_allocated", "device_used_peak", "device_used_after_backward", "device_used_after_step")]
-        rows.append([r["mode"], r["step_ms"], r["step_ms"] / ref if ref else None, *in_gib, r.get("note", "")])
-    return C.table(rows, ["mode", "step ms", "x adamw8bit", "max alloc GiB", "device used GiB", "after bwd GiB",
-                          "after step GiB", "note"])
+        rows.append([r["mode"], r["step_ms"], r["step_ms"] / ref if ref else None, r.get("loop_step_ms"), *in_gib,
+                     r.get("note", "")])
+    return C.table(rows, ["mode", "step ms", "x adamw8bit", "loop ms", "max alloc GiB", "device used GiB",
+                          "after bwd GiB", "after step GiB", "note"])
 
 
 def plot(records: list[dict], path: str) -> Optional[str]:

@@ -136,7 +136,11 @@ def test_bit_for_bit_the_ordinary_step_while_updating_during_backward(device, dt
     assert runs[True][2][0] == 0 and runs[False][2] == [0] * 5
     assert all(c == n for c in runs[True][2][1:]), runs[True][2]
     bwd = runs[True][1]._backward_updates
-    assert len(next(iter(bwd._schedule.values()))) >= 3
+    chunks = next(iter(bwd._schedule.values()))
+    assert len(chunks) >= 3
+    # mid.weight's states exceed a chunk: cut into pieces of whole blocks, but for stacked moments
+    cut = any(piece.start is not None for parts, _ in chunks for _, pieces in parts for piece in pieces)
+    assert cut == ("AdEMAMix" not in name), name
     # each step copies every state in and back once, as the ordinary host-resident step does
     assert runs[True][1].paging_stats().page_in_bytes_last_step == runs[False][1].paging_stats().page_in_bytes_last_step
     assert runs[True][1].paging_stats().page_out_bytes_last_step == runs[False][1].paging_stats().page_in_bytes_last_step

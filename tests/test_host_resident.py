@@ -326,3 +326,25 @@ def test_neighbouring_host_tensors_move_in_one_copy_and_the_others_stay_untouche
     # tensors of storages of their own (not from zeros()) move one copy each
     own = [torch.ones(10), torch.ones(20)]
     assert len(pager.open_pass("cpu", [own]).layouts[0].runs) == 2
+
+
+def test_a_slice_ending_inside_its_tensor_moves_without_the_bytes_after_it():
+    """Runs merge over padding only: the bytes between a slice that ends inside its tensor and the
+    next slot belong to that tensor, and a copy back of the run must not write them."""
+    pager = HostResidentPager(1 << 20)
+    a, b = pager.zeros((100,), torch.float32, "cpu"), pager.zeros((64,), torch.float32, "cpu")  # b at the slot after a
+    a.copy_(torch.arange(100.0))
+    b.copy_(torch.arange(64.0) + 500)
+    before_a = a.clone()
+    head = a[:10]  # ends inside a: a[10:] lies between it and b
+    p = pager.open_pass("cpu", [[head, b]])
+    assert len(p.layouts[0].runs) == 2
+    views = p.take(0)
+    a[10:].fill_(-7.0)  # a change to the bytes between, made while the group is out (e.g. another group's copy back)
+    for v in views:
+        v.add_(1000)
+    p.give_back(0)
+    assert torch.equal(a[:10], before_a[:10] + 1000) and torch.equal(a[10:], torch.full((90,), -7.0))
+    assert torch.equal(b, torch.arange(64.0) + 1500)
+    whole = pager.open_pass("cpu", [[a, b]])  # whole tensors of our own: padding between, one copy
+    assert len(whole.layouts[0].runs) == 1

@@ -38,12 +38,57 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from .. import _ops
+from ..paging.host_resident import _aligned
+from ..quant import STATE_BLOCK_SIZE
 from .bucket_chunks import contiguous_views
 from .grad_checks import raise_bad_grad
 from .state_table import StateTable
 
 if TYPE_CHECKING:
     from .base import QuantizedOptimizer
+
+# Pieces of a cut parameter start at multiples of this many elements: whole 256-element blocks of
+# 8-bit states, and whole vectors of torch's fused 32-bit CPU kernel (see adam._FP32_COPY_ALIGN)
+CUT_ALIGN = 1024
+
+
+class _Piece:
+    """What a chunk updates of one parameter (position ``j`` in its bucket): all of it
+    (``start`` None) or the flat elements [start, end), whole blocks; ``host``: the host state
+    tensors (or their flat ranges) that the pager moves for it."""
+
+    __slots__ = ("j", "start", "end", "host", "by_key", "nbytes")
+
+    def __init__(self, j: int, start, end, by_key: dict):
+        self.j, self.start, self.end, self.by_key = j, start, end, by_key
+        self.host = list(by_key.values())
+        self.nbytes = sum(_aligned(t.numel() * t.element_size()) for t in self.host)
+
+    def of(self, key: str) -> torch.Tensor:
+        return self.by_key[key]
+
+
+def _pieces(j: int, p: torch.Tensor, state: dict, keys: tuple, limit: int, cuttable: bool) -> list:
+    """``p``'s state in pieces of at most ``limit`` bytes of whole blocks (one piece when it fits,
+    or cannot be cut: stacked moments, a non-contiguous parameter)."""
+    host = {k: state[k] for k in keys if k in state}
+    whole = _Piece(j, None, None, host)
+    n = p.numel()
+    if not cuttable or whole.nbytes <= limit or not p.is_contiguous():
+        return [whole]
+    per_element = sum(t.element_size() for k, t in host.items() if k.startswith("state"))
+    step = max(limit // max(per_element, 1) // CUT_ALIGN * CUT_ALIGN, CUT_ALIGN)
+    out = []
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        by_key = {}
+        for k, t in host.items():
+            if k.startswith("absmax"):
+                by_key[k] = t.view(-1)[a // STATE_BLOCK_SIZE:(b + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE]
+            else:
+                by_key[k] = t.view(-1)[a:b]
+        out.append(_Piece(j, a, b, by_key))
+    return out
 
 
 class _Run:
@@ -92,6 +137,7 @@ class BackwardUpdates:
         self._updated: set[int] = set()       # params updated this step
         self._checked = False                 # the schedule was checked against the optimizer this step
         self._began = False                   # the pager was told that a step began
+        self._stepped: dict = {}              # id(bucket) -> positions whose counter was incremented
         self._streams: dict = {}
         self.trace: Optional[list] = None     # a list: per chunk update, (chunk, gradients ready, update
         # started, update done) as CUDA timing events (scripts/profile_train_step.py reads it)
@@ -140,14 +186,11 @@ class BackwardUpdates:
         if self._schedule is None or not self._current(opt):
             return
         self._counted.add(pid)
-        spot = self._chunk_of.get(pid)
-        if spot is None:
-            return
-        device, k = spot
-        run = self._runs[device]
-        run.waiting[k] -= 1
-        while run.next < len(run.chunks) and run.waiting[run.next] == 0:
-            self._update_chunk(opt, device, run)
+        for device, k in self._chunk_of.get(pid, ()):
+            run = self._runs[device]
+            run.waiting[k] -= 1
+            while run.next < len(run.chunks) and run.waiting[run.next] == 0:
+                self._update_chunk(opt, device, run)
 
     # ------------------------------------------------------------------ the schedule
     def _current(self, opt) -> bool:
@@ -188,35 +231,38 @@ class BackwardUpdates:
         seen = set(order)
         order += [pid for pid in position if pid not in seen]  # gradients not from a hook: updated in step()
         keys = opt.algorithm.state_keys + opt.algorithm.absmax_keys
-        from ..paging.host_resident import _aligned
-
         limit = max(opt._pager.device_buffer_bytes // 3, 1)
+        # a parameter whose states exceed a chunk is cut into pieces of whole blocks, each a chunk's
+        # worth (updates are elementwise within 256-element blocks), so that the largest tensors
+        # (embeddings, heads) stream like the rest; not for stacked moments (AdEMAMix's state1)
+        cuttable = all(spec.moments == 1 for spec in opt.algorithm.states)
         schedule: dict = {}
         sizes: dict = {}
         for pid in order:
             bi, j = position[pid]
             b = plan.buckets[bi]
-            nbytes = sum(_aligned(b.states[j][k].numel() * b.states[j][k].element_size()) for k in keys
-                         if k in b.states[j])
-            chunks = schedule.setdefault(b.device, [])
-            if not chunks or (sizes[b.device] + nbytes > limit and chunks[-1][1]):
-                chunks.append(({}, []))
-                sizes[b.device] = 0
-            parts, ids = chunks[-1]
-            parts.setdefault(bi, []).append(j)  # one fused call per bucket in a chunk
-            ids.append(pid)
-            sizes[b.device] += nbytes
-        schedule = {device: [(list(parts.items()), ids) for parts, ids in chunks] for device, chunks in schedule.items()}
-        self._plan, self._schedule = plan, schedule
-        self._chunk_of = {pid: (device, k) for device, chunks in schedule.items()
-                          for k, (_, ids) in enumerate(chunks) for pid in ids}
+            for piece in _pieces(j, b.params[j], b.states[j], keys, limit, cuttable):
+                chunks = schedule.setdefault(b.device, [])
+                if not chunks or (sizes[b.device] + piece.nbytes > limit and chunks[-1][1]):
+                    chunks.append(({}, []))
+                    sizes[b.device] = 0
+                parts, ids = chunks[-1]
+                parts.setdefault(bi, []).append(piece)  # one fused call per bucket in a chunk
+                ids.append(pid)
+                sizes[b.device] += piece.nbytes
+        self._plan = plan
+        self._schedule = {device: [(list(parts.items()), ids) for parts, ids in chunks]
+                          for device, chunks in schedule.items()}
+        self._chunk_of = {}
+        for device, chunks in self._schedule.items():
+            for k, (_, ids) in enumerate(chunks):
+                for pid in ids:
+                    self._chunk_of.setdefault(pid, []).append((device, k))
         self._open_passes(opt)
 
-    def _groups(self, chunks: list) -> list:
-        keys = self._opt().algorithm.state_keys + self._opt().algorithm.absmax_keys
-        buckets = self._plan.buckets
-        return [[buckets[bi].states[j][k] for bi, js in parts for j in js for k in keys if k in buckets[bi].states[j]]
-                for parts, _ in chunks]
+    @staticmethod
+    def _groups(chunks: list) -> list:
+        return [[t for _, pieces in parts for piece in pieces for t in piece.host] for parts, _ in chunks]
 
     def _open_passes(self, opt) -> None:
         """The coming step's pager passes: their first copies in start now."""
@@ -274,26 +320,39 @@ class BackwardUpdates:
         self._arrived, self._arrived_set = [], set()
         self._reset_step()
 
-    def _update_part(self, opt, bucket, positions: list[int], view_of: dict) -> None:
-        positions = [j for j in positions if bucket.params[j].grad is not None]
-        if not positions:
+    def _update_part(self, opt, bucket, pieces: list, view_of: dict) -> None:
+        pieces = [piece for piece in pieces if bucket.params[piece.j].grad is not None]
+        if not pieces:
             return
-        params = [bucket.params[j] for j in positions]
+        params = [bucket.params[piece.j] for piece in pieces]
         grads = [p.grad for p in params]
         verdict = _ops.check_grads(params, grads)
         if verdict >= 0:
             raise_bad_grad(opt.param_groups, params[verdict])
-        lists = tuple([view_of.get(id(lst[j]), lst[j]) for j in positions] for lst in bucket.lists)
-        torch._foreach_add_(lists[-1], 1.0)  # the step counters of these parameters
+        if any(piece.start is not None for piece in pieces):  # flat ranges of whole blocks
+            params = [p if piece.start is None else p.view(-1)[piece.start:piece.end] for p, piece in zip(params, pieces)]
+            grads = [g if piece.start is None else g.reshape(-1)[piece.start:piece.end]
+                     for g, piece in zip(grads, pieces)]
+            contiguous = all(g.is_contiguous() for g in grads)
+        else:
+            contiguous = verdict == _ops.GRADS_CONTIGUOUS
+        lists = [[] for _ in bucket.lists]
+        for piece in pieces:
+            for lst, key in zip(lists, self._keys_of(bucket)):
+                lst.append(view_of[id(piece.of(key))] if key != "step" else bucket.states[piece.j]["step"])
+        counters = [bucket.states[piece.j]["step"] for piece in pieces if piece.j not in self._stepped.get(id(bucket), ())]
+        self._stepped.setdefault(id(bucket), set()).update(piece.j for piece in pieces)
+        if counters:
+            torch._foreach_add_(counters, 1.0)  # once per parameter, at its first piece
         group = opt.param_groups[bucket.gi]
         if bucket.override:
             group = {**group, **bucket.override}
-        if verdict == _ops.GRADS_CONTIGUOUS:
-            work_params, work_grads = params, grads
-        else:
-            work_params, work_grads = contiguous_views(params, grads)
-        opt._step_chunk(group, bucket, params, work_params, work_grads, lists, None, None)
-        self._updated.update(map(id, params))
+        work_params, work_grads = (params, grads) if contiguous else contiguous_views(params, grads)
+        opt._step_chunk(group, bucket, params, work_params, work_grads, tuple(lists), None, None)
+        self._updated.update(id(bucket.params[piece.j]) for piece in pieces)
+
+    def _keys_of(self, bucket) -> tuple:
+        return self._opt()._bucket_keys(bucket.eight_bit)
 
     # ------------------------------------------------------------------ step()
     def active(self, opt) -> bool:
@@ -341,6 +400,7 @@ class BackwardUpdates:
 
     def _reset_step(self) -> None:
         self._began = False
+        self._stepped = {}  # id(bucket) -> positions whose step counter this step incremented
         self._counted = set()
         self._updated = set()
         self._checked = False

@@ -270,15 +270,20 @@ class HostResidentPager:
         offsets = [0] * len(group)
         runs = []  # (position of the run's first tensor, first byte, end byte, offset in the region)
         size = 0
+        previous = None
         for addr, start, end, j in spans:
             last = runs[-1] if runs else None
-            if last is not None and addr == last[4] and 0 <= start - last[2] < REGION_ALIGN:
+            # the next tensor begins where the last one ends, or (after a tensor of our own, carved
+            # into an aligned slot of its slab) at the next slot: the bytes between are padding
+            padding = previous is not None and self._tensors.get(id(previous)) is previous
+            if last is not None and addr == last[4] and (start == last[2] or padding and start == _aligned(last[2])):
                 offsets[j] = last[3] + start - last[1]
                 runs[-1] = (last[0], last[1], max(last[2], end), last[3], addr)
             else:
                 offsets[j] = size
                 runs.append((j, start, end, size, addr))
             size = _aligned(runs[-1][3] + runs[-1][2] - runs[-1][1])
+            previous = group[j]
         if size > self.device_buffer_bytes:
             raise ValueError(f"{where} needs {size} bytes of device buffer, more than device_buffer_bytes="
                              f"{self.device_buffer_bytes}; raise the device buffer or split the group")
