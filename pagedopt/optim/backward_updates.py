@@ -41,7 +41,7 @@ from .. import _ops
 from ..paging.host_resident import _aligned
 from ..quant import STATE_BLOCK_SIZE
 from .bucket_chunks import contiguous_views
-from .grad_checks import raise_bad_grad
+from .grad_checks import locate, raise_bad_grad
 from .state_table import StateTable
 
 if TYPE_CHECKING:
@@ -63,9 +63,6 @@ class _Piece:
         self.j, self.start, self.end, self.by_key = j, start, end, by_key
         self.host = list(by_key.values())
         self.nbytes = sum(_aligned(t.numel() * t.element_size()) for t in self.host)
-
-    def of(self, key: str) -> torch.Tensor:
-        return self.by_key[key]
 
 
 def _pieces(j: int, p: torch.Tensor, state: dict, keys: tuple, limit: int, cuttable: bool) -> list:
@@ -161,13 +158,6 @@ class BackwardUpdates:
         self._hooked.clear()
         self.drop_schedule()
 
-    def _where(self, opt, p) -> str:
-        for gi, group in enumerate(opt.param_groups):
-            for pi, q in enumerate(group["params"]):
-                if q is p:
-                    return f"param_groups[{gi}]['params'][{pi}]"
-        return "a parameter"
-
     def _on_grad(self, p: torch.Tensor) -> None:
         opt = self._opt()
         if opt is None:
@@ -179,7 +169,7 @@ class BackwardUpdates:
         if not self.enabled:
             return
         if pid in self._counted:
-            raise RuntimeError(f"{type(opt).__name__}: {self._where(opt, p)} received a second gradient before "
+            raise RuntimeError(f"{type(opt).__name__}: {locate(opt.param_groups, p)} received a second gradient before "
                                "step(); with update_in_backward=True every backward() must be followed by step() "
                                "(for gradient accumulation set opt.update_in_backward = False for the micro-batches "
                                "before the last)")
@@ -336,10 +326,9 @@ class BackwardUpdates:
             contiguous = all(g.is_contiguous() for g in grads)
         else:
             contiguous = verdict == _ops.GRADS_CONTIGUOUS
-        lists = [[] for _ in bucket.lists]
-        for piece in pieces:
-            for lst, key in zip(lists, self._keys_of(bucket)):
-                lst.append(view_of[id(piece.of(key))] if key != "step" else bucket.states[piece.j]["step"])
+        keys = opt._bucket_keys(bucket.eight_bit)  # the order of bucket.lists
+        lists = tuple([view_of[id(piece.by_key[key])] if key != "step" else bucket.states[piece.j]["step"]
+                       for piece in pieces] for key in keys)
         counters = [bucket.states[piece.j]["step"] for piece in pieces if piece.j not in self._stepped.get(id(bucket), ())]
         self._stepped.setdefault(id(bucket), set()).update(piece.j for piece in pieces)
         if counters:
@@ -348,11 +337,8 @@ class BackwardUpdates:
         if bucket.override:
             group = {**group, **bucket.override}
         work_params, work_grads = (params, grads) if contiguous else contiguous_views(params, grads)
-        opt._step_chunk(group, bucket, params, work_params, work_grads, tuple(lists), None, None)
+        opt._step_chunk(group, bucket, params, work_params, work_grads, lists, None, None)
         self._updated.update(id(bucket.params[piece.j]) for piece in pieces)
-
-    def _keys_of(self, bucket) -> tuple:
-        return self._opt()._bucket_keys(bucket.eight_bit)
 
     # ------------------------------------------------------------------ step()
     def active(self, opt) -> bool:
@@ -370,10 +356,9 @@ class BackwardUpdates:
         """step() after updates in backward: the remaining chunks, then the caller's stream waits
         for them. Returns the ids of the parameters updated (step() updates any others with
         gradients the ordinary way)."""
-        if not self._updated:
-            self.refuse_grad_scaler(opt)  # nothing changed yet
-        elif getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
-            self.drop_schedule()
+        if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+            if self._updated:  # a scaler brought in after updates began: stop them
+                self.drop_schedule()
             self.refuse_grad_scaler(opt)
         try:
             for device, run in self._runs.items():

@@ -42,8 +42,13 @@ def raise_bad_grad(param_groups: list[dict], p: torch.Tensor) -> None:
     raise ValueError(f"a gradient does not match its parameter (shape {tuple(p.shape)}, {p.dtype})")
 
 
+def locate(param_groups: list[dict], p: torch.Tensor) -> str:
+    """``describe`` of ``p`` at its place in the groups ("a parameter" if it has none)."""
+    return next((describe(gi, pi, p) for gi, group in enumerate(param_groups)
+                 for pi, q in enumerate(group["params"]) if q is p), "a parameter")
+
+
 def raise_bad_sharding(param_groups: list[dict], p: torch.Tensor, g: torch.Tensor) -> None:
-    where = next((describe(gi, pi, p) for gi, group in enumerate(param_groups)
-                  for pi, q in enumerate(group["params"]) if q is p), "a parameter")
+    where = locate(param_groups, p)
     raise ValueError(f"{where}: the parameter is {sharding.describe_layout(p)}, its gradient "
                      f"{sharding.describe_layout(g)} (they must be sharded alike)")

@@ -89,7 +89,8 @@ class _Layout:
     def __init__(self, offsets: list[int], size: int, runs: list):
         self.offsets, self.size, self.runs = offsets, size, runs
 
-    def host_bytes(self, t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    @staticmethod
+    def host_bytes(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """The bytes [start, end) of ``t``'s storage, as a flat uint8 tensor."""
         return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), start, (end - start,))
 
