@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -33,13 +34,15 @@ def _busy(intervals):
     return total
 
 
-def profile_mode(name: str, layers: int, warmup: int) -> None:
+def profile_mode(name: str, layers: int, warmup: int, profiler: bool = True, depth=None) -> None:
     mode = {m.name: m for m in BT.MODES}[name]
     cfg = BT.ModelConfig() if layers is None else BT.ModelConfig(layers=layers)
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = BT.CausalLM(cfg).to(device)
     opt = mode.make(list(model.parameters()), device)
+    if depth is not None and hasattr(opt._pager, "prefetch_depth"):
+        opt._pager.prefetch_depth = depth - 1  # every chunk of the buffer in flight
     tokens = torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), device=device)
     marks = {}
 
@@ -78,10 +81,18 @@ def profile_mode(name: str, layers: int, warmup: int) -> None:
     if bwd is not None and bwd.trace:
         t0 = marks["start"]
         print("   chunk  grads ready  update start  update end   (last step)")
-        for k, ready, start, end in bwd.trace:
+        trace = bwd.trace if profiler else bwd.trace[-3:]
+        for k, ready, start, end in trace:
             print(f"   {k:5d}  {t0.elapsed_time(ready):11.2f}  {t0.elapsed_time(start):12.2f}  {t0.elapsed_time(end):10.2f}")
         bwd.trace = None
     torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):  # back to back, as in a training loop
+        step()
+    torch.cuda.synchronize()
+    print(f"   loop: {(time.perf_counter() - start) * 200:.2f} ms per step (5 steps back to back)")
+    if not profiler:
+        return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         step(mark=True)
@@ -130,10 +141,20 @@ def main() -> int:
     ap.add_argument("--modes", default="pagedopt_paged_adamw8bit_host_bwd,pagedopt_paged_adamw8bit_host")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-profiler", action="store_true", help="only the unprofiled steps' marks")
+    ap.add_argument("--variants", default="", help="updates during backward: comma-separated "
+                    "PRIORITY/CHUNKS_PER_BUFFER pairs to compare, e.g. -1/3,0/3,-1/4")
     args = ap.parse_args()
+    from pagedopt.optim.backward_updates import BackwardUpdates
+
+    variants = [tuple(int(x) for x in v.split("/")) for v in args.variants.split(",") if v] or [(None, None)]
     for name in args.modes.split(","):
-        profile_mode(name, args.layers, args.warmup)
-        torch.cuda.empty_cache()
+        for priority, chunks in variants:
+            if priority is not None:
+                BackwardUpdates.stream_priority, BackwardUpdates.chunks_per_buffer = priority, chunks
+                print(f"\n-- update stream priority {priority}, {chunks} chunks per device buffer")
+            profile_mode(name, args.layers, args.warmup, profiler=not args.no_profiler, depth=chunks)
+            torch.cuda.empty_cache()
     return 0
 
 

@@ -120,6 +120,13 @@ def refuse_unsupported(opt: "QuantizedOptimizer") -> None:
 class BackwardUpdates:
     """The hooks, the schedule and the per-step progress of updates during backward (see the module)."""
 
+    # the update stream's priority (-1: high, so that a chunk's update runs as soon as it may,
+    # between backward's kernels, and its region of the device buffer comes free for the next copy
+    # in) and the chunk size (a third of the device buffer: three chunks in flight, the pager's
+    # default prefetch depth of 2 plus the one being updated); scripts/profile_train_step.py varies both
+    stream_priority = -1
+    chunks_per_buffer = 3
+
     def __init__(self, opt: "QuantizedOptimizer"):
         self._opt = weakref.ref(opt)
         self.enabled = True
@@ -221,7 +228,7 @@ class BackwardUpdates:
         seen = set(order)
         order += [pid for pid in position if pid not in seen]  # gradients not from a hook: updated in step()
         keys = opt.algorithm.state_keys + opt.algorithm.absmax_keys
-        limit = max(opt._pager.device_buffer_bytes // 3, 1)
+        limit = max(opt._pager.device_buffer_bytes // self.chunks_per_buffer, 1)
         # a parameter whose states exceed a chunk is cut into pieces of whole blocks, each a chunk's
         # worth (updates are elementwise within 256-element blocks), so that the largest tensors
         # (embeddings, heads) stream like the rest; not for stacked moments (AdEMAMix's state1)
@@ -264,9 +271,7 @@ class BackwardUpdates:
         if device.type != "cuda":
             return None
         if device not in self._streams:
-            # high priority: a chunk's update runs as soon as it may, between backward's kernels, so
-            # that its region of the device buffer comes free for the next copy in
-            self._streams[device] = torch.cuda.Stream(device, priority=-1)
+            self._streams[device] = torch.cuda.Stream(device, priority=self.stream_priority)
         return self._streams[device]
 
     def _update_chunk(self, opt, device: torch.device, run: _Run) -> None:
