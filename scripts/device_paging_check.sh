@@ -56,8 +56,8 @@ if [ "${TRAIN_S:-200}" != 0 ]; then
   log "bench_train rc=$?"; tail -n 12 "$OUT/bench_train.log"; cp /tmp/train_out/train.json /tmp/train_out/train.png "$OUT"/ 2>/dev/null
 fi
 if [ -n "${PROFILE_MODES:-}" ]; then  # one step per mode under torch.profiler (scripts/profile_train_step.py)
-  log "profile_train_step"; timeout "${PROFILE_S:-120}" python3 scripts/profile_train_step.py --modes "$PROFILE_MODES" \
-    > "$OUT/profile.txt" 2>&1; log "profile rc=$?"; grep -v Warning "$OUT/profile.txt" | tail -n 40
+  log "profile_train_step"; timeout "${PROFILE_S:-120}" python3 scripts/profile_train_step.py --modes "$PROFILE_MODES" ${PROFILE_ARGS:-} \
+    > "$OUT/profile.txt" 2>&1; log "profile rc=$?"; grep -v -e Warning -e _warn_once "$OUT/profile.txt" | tail -n 60
 fi
 if [ "${PAGING_S:-70}" != 0 ]; then
   log "bench_paging"
