@@ -34,15 +34,13 @@ def _busy(intervals):
     return total
 
 
-def profile_mode(name: str, layers: int, warmup: int, profiler: bool = True, depth=None) -> None:
+def profile_mode(name: str, layers: int, warmup: int, profiler: bool = True) -> None:
     mode = {m.name: m for m in BT.MODES}[name]
     cfg = BT.ModelConfig() if layers is None else BT.ModelConfig(layers=layers)
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = BT.CausalLM(cfg).to(device)
     opt = mode.make(list(model.parameters()), device)
-    if depth is not None and hasattr(opt._pager, "prefetch_depth"):
-        opt._pager.prefetch_depth = depth - 1  # every chunk of the buffer in flight
     tokens = torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), device=device)
     marks = {}
 
@@ -153,7 +151,7 @@ def main() -> int:
             if priority is not None:
                 BackwardUpdates.stream_priority, BackwardUpdates.chunks_per_buffer = priority, chunks
                 print(f"\n-- update stream priority {priority}, {chunks} chunks per device buffer")
-            profile_mode(name, args.layers, args.warmup, profiler=not args.no_profiler, depth=chunks)
+            profile_mode(name, args.layers, args.warmup, profiler=not args.no_profiler)
             torch.cuda.empty_cache()
     return 0
 

@@ -60,7 +60,7 @@ def _make(name, m, bwd, buffer=None, **kw):
     """``bwd``: None: resident states; False: host-resident; True: host-resident, updated in backward.
     The buffer holds the largest parameter's states (mid.weight's 9216 elements times the moments,
     1 or 4 bytes each, plus 4 KiB for absmax and alignment) with a quarter to spare, so that its
-    chunks (a third of it) cut the whole model's states (about 2.7 times mid.weight's) in three or more."""
+    chunks (a quarter of it) cut the whole model's states (about 2.7 times mid.weight's) in three or more."""
     if buffer is None:
         moments = 1 if "Lion" in name else 3 if "AdEMAMix" in name else 2
         buffer = int((9216 * moments * (1 if "8bit" in name else 4) + 4 * KiB) * 1.25)

@@ -4,12 +4,12 @@ update_in_backward=True)``.
 Host-resident states cross the link twice per step (in, then back). After backward the whole
 crossing waits for the update; during backward the link is idle. Here each parameter's update
 runs as soon as its gradient is final (``register_post_accumulate_grad_hook``), in chunks of about
-a third of the device buffer, so that the copies of states in and back overlap with the rest of
+a quarter of the device buffer, so that the copies of states in and back overlap with the rest of
 backward, and ``step()`` only updates what is left (the parameters whose gradients came last).
 
 The schedule. After an ordinary step (the first one makes the states), the order in which the
 gradients arrived in that step's backward is cut into chunks (per device, in arrival order, each
-at most a third of the buffer, or one parameter); one pager pass (``HostResidentPager.open_pass``)
+at most a quarter of the buffer, or one parameter); one pager pass (``HostResidentPager.open_pass``)
 per device and step copies the chunks in, in that order, starting right after the previous step
 (so the first chunks arrive during forward). During backward a chunk is updated once every one of
 its parameters has its gradient, on a stream of its own (after everything the backward has queued
@@ -122,10 +122,12 @@ class BackwardUpdates:
 
     # the update stream's priority (-1: high, so that a chunk's update runs as soon as it may,
     # between backward's kernels, and its region of the device buffer comes free for the next copy
-    # in) and the chunk size (a third of the device buffer: three chunks in flight, the pager's
-    # default prefetch depth of 2 plus the one being updated); scripts/profile_train_step.py varies both
+    # in) and the chunk size (a quarter of the device buffer, every chunk of it in flight: the
+    # pass's prefetch depth is chunks_per_buffer - 1). On the H200, 936M-parameter bench, loop ms
+    # per step (scripts/profile_train_step.py --variants, 2026-12-04): 3 chunks 57.0, 4 chunks
+    # 55.1, 2 chunks 57.8; priority 0 instead of -1: within 1 ms either way
     stream_priority = -1
-    chunks_per_buffer = 3
+    chunks_per_buffer = 4
 
     def __init__(self, opt: "QuantizedOptimizer"):
         self._opt = weakref.ref(opt)
@@ -135,7 +137,7 @@ class BackwardUpdates:
         self._arrived_set: set[int] = set()
         self._plan = None                     # the optimizer's step plan the schedule was made from
         self._schedule: Optional[dict] = None  # device -> [(parts, ids)]
-        self._chunk_of: dict[int, tuple] = {}  # id(param) -> (device, chunk index)
+        self._chunk_of: dict[int, list] = {}  # id(param) -> [(device, chunk index)] (pieces: several)
         self._runs: Optional[dict] = None     # device -> _Run of the coming step
         self._counted: set[int] = set()       # params whose gradient counted towards a chunk this step
         self._updated: set[int] = set()       # params updated this step
@@ -263,7 +265,8 @@ class BackwardUpdates:
 
     def _open_passes(self, opt) -> None:
         """The coming step's pager passes: their first copies in start now."""
-        self._runs = {device: _Run(chunks, opt._pager.open_pass(device, self._groups(chunks)))
+        depth = self.chunks_per_buffer - 1
+        self._runs = {device: _Run(chunks, opt._pager.open_pass(device, self._groups(chunks), depth))
                       for device, chunks in self._schedule.items()}
 
     # ------------------------------------------------------------------ updates

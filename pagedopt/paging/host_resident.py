@@ -299,16 +299,19 @@ class HostResidentPager:
         group whose iteration raised, and none of the later groups is touched."""
         return self._pass(self.open_pass(device, groups))
 
-    def open_pass(self, device: DeviceLike, groups: Sequence[Sequence[torch.Tensor]]) -> "StreamPass":
+    def open_pass(self, device: DeviceLike, groups: Sequence[Sequence[torch.Tensor]],
+                  prefetch_depth: Optional[int] = None) -> "StreamPass":
         """A pass that the caller drives one group at a time (``stream()`` drives one in a loop):
         copies in of the first groups start now, ``take(i)`` hands out group i's device views and
         ``give_back(i)`` copies them back after the work queued so far, group after group in
         order, whenever the caller is ready (for example as gradients arrive during backward).
-        Checked like ``stream()``'s groups before anything moves."""
+        Checked like ``stream()``'s groups before anything moves. ``prefetch_depth``: this pass's
+        (default: the pager's)."""
         device = _as_device(device)
         groups = [list(g) for g in groups]
         layouts = [self._layout(g, f"stream group {i}") for i, g in enumerate(groups)]
-        return StreamPass(self, device, groups, layouts)
+        depth = self.prefetch_depth if prefetch_depth is None else prefetch_depth
+        return StreamPass(self, device, groups, layouts, depth)
 
     @staticmethod
     def _pass(p: "StreamPass") -> Iterator[tuple[int, list]]:
@@ -333,8 +336,8 @@ class StreamPass:
     buffer has room; a region is reused only after its copy back (an event the copy-in stream
     waits on). Dropping a pass part way is safe: later passes order their copies after its own."""
 
-    def __init__(self, pager: HostResidentPager, device: torch.device, groups: list, layouts: list):
-        self.pager, self.device, self.groups, self.layouts = pager, device, groups, layouts
+    def __init__(self, pager: HostResidentPager, device: torch.device, groups: list, layouts: list, depth: int):
+        self.pager, self.device, self.groups, self.layouts, self.depth = pager, device, groups, layouts, depth
         be = self._be = pager._backend(device)
         self._buf = pager._buffer(device)
         self._copy_in, self._copy_back = pager._streams_of(device, be)
@@ -354,7 +357,7 @@ class StreamPass:
         self._issued = 0  # groups whose copy in was issued
         self.taken = 0  # groups handed out (the next take() is of this one)
         self._views = None
-        self._issue(pager.prefetch_depth)
+        self._issue(self.depth)
 
     def _place(self, size: int) -> Optional[tuple[int, int]]:
         start = self._head if self._head + size <= len(self._buf) else 0
@@ -397,7 +400,7 @@ class StreamPass:
         if i != self.taken or self._views is not None:
             raise RuntimeError(f"StreamPass.take({i}): groups are taken in order, one at a time "
                                f"(next: {self.taken}{', after give_back' if self._views is not None else ''})")
-        self._issue(self.pager.prefetch_depth)
+        self._issue(self.depth)
         if self._issued <= i:  # cannot happen: with every earlier group returning, group i fits
             raise AssertionError(f"HostResidentPager: group {i} found no room in the device buffer")
         pager = self.pager
@@ -435,4 +438,4 @@ class StreamPass:
             pager._timing = (pager._timing[0] if pager._timing else self.first_event, end_ev)
         self._views = None
         self.taken += 1
-        self._issue(pager.prefetch_depth)  # the next groups' copies in start now, not at the next take
+        self._issue(self.depth)  # the next groups' copies in start now, not at the next take
