@@ -75,7 +75,7 @@ class AdamBase(QuantizedOptimizer):
         state1, state2, steps = lists
         beta1, beta2 = group["betas"]
         fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
-        lr = lr_tensor(group, bucket.gi, bucket.device)  # a tensor on the params' device: read there (capturable)
+        lr = lr_tensor(group, bucket.device)  # a tensor on the params' device: read there (capturable)
         if lr is not None and lr.dtype != torch.float32:
             lr = lr.float()  # torch's fused kernel reads a float32 lr tensor
         hyper = dict(lr=float(group["lr"]) if lr is None else lr, beta1=float(beta1), beta2=float(beta2),

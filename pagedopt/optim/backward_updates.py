@@ -341,9 +341,7 @@ class BackwardUpdates:
         self._stepped.setdefault(id(bucket), set()).update(piece.j for piece in pieces)
         if counters:
             torch._foreach_add_(counters, 1.0)  # once per parameter, at its first piece
-        group = opt.param_groups[bucket.gi]
-        if bucket.override:
-            group = {**group, **bucket.override}
+        group = opt._group_of(bucket)
         work_params, work_grads = (params, grads) if contiguous else contiguous_views(params, grads)
         opt._step_chunk(group, bucket, params, work_params, work_grads, lists, None, None)
         self._updated.update(id(bucket.params[piece.j]) for piece in pieces)

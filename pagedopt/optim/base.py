@@ -275,7 +275,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         # decided once per plan, so a plain run pays nothing for it.
         plan = self._cached_plan(params)
         if capture.capturing(params[0]):
-            capture_check(self, plan, params)
+            capture_check(self, plan)
         sharded = plan.sharded if plan is not None else sharding.has_dtensor(params)
         work_params, work_grads = sharding.local_tensors(params, grads, lambda p, g: raise_bad_sharding(self.param_groups, p, g)) if sharded else (params, grads)
         verdict = _ops.check_grads(work_params, work_grads)
@@ -285,27 +285,37 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
             plan = self._step_plan(params)
         contiguous = verdict == _ops.GRADS_CONTIGUOUS
 
+        def step_bucket(i, bucket, scale, inf):
+            bucket_grads = [work_grads[k] for k in bucket.index]
+            bucket_params = [work_params[k] for k in bucket.index] if sharded else bucket.params
+            self._step_bucket(self._group_of(bucket), bucket, bucket_params, bucket_grads, contiguous, scale, inf)
+
+        self._count_and_step(plan, step_bucket)
+        return plan
+
+    def _group_of(self, bucket: "_Bucket") -> dict:
+        """The settings a bucket steps with: its group's, with its GlobalOptimManager overrides."""
+        group = self.param_groups[bucket.gi]
+        return {**group, **bucket.override} if bucket.override else group
+
+    def _count_and_step(self, plan: "_StepPlan", step_bucket: Callable) -> None:
+        """What every step does around its buckets' calls (the ordinary step and fast_step.py):
+        step counters + 1, the pager told that a step begins, ``step_bucket(i, bucket, grad_scale,
+        found_inf)`` per bucket with GradScaler's tensors on the bucket's device, then counters -
+        found_inf (a skipped step does not count)."""
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         for steps in plan.steps_by_device.values():
             add_to_counters(steps, 1.0)
         if self._pager is not None:
             self._pager.begin_step()
-        for bucket in plan.buckets:
-            group = self.param_groups[bucket.gi]
-            if bucket.override:
-                group = {**group, **bucket.override}
-            device = bucket.device
-            scale = None if grad_scale is None else grad_scale.to(device, non_blocking=True)
-            inf = None if found_inf is None else found_inf.to(device, non_blocking=True)
-            bucket_grads = [work_grads[i] for i in bucket.index]
-            bucket_params = [work_params[i] for i in bucket.index] if sharded else bucket.params
-            self._step_bucket(group, bucket, bucket_params, bucket_grads, contiguous, scale, inf)
-
+        for i, bucket in enumerate(plan.buckets):
+            scale = None if grad_scale is None else grad_scale.to(bucket.device, non_blocking=True)
+            inf = None if found_inf is None else found_inf.to(bucket.device, non_blocking=True)
+            step_bucket(i, bucket, scale, inf)
         if found_inf is not None:
             for device, steps in plan.steps_by_device.items():
                 subtract_from_counters(steps, found_inf.to(device, non_blocking=True))
-        return plan
 
     def _step_plan(self, params: list[torch.Tensor]) -> "_StepPlan":
         """The buckets of this set of parameters, built once and reused while the parameters with
@@ -391,7 +401,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
             self._step_stateless(group, params, grads, grad_scale, found_inf)
             return
         if contiguous and (self._pager is None or self._pager.all_resident()):
-            lr = lr_tensor(group, bucket.gi, bucket.device)
+            lr = lr_tensor(group, bucket.device)
             hyper = self._engine_hyper(group if lr is None else {**group, "lr": 0.0})
             _ops.quantized_step_list_(bucket.held, params, grads, hyper, grad_scale, found_inf, lr)
             return
@@ -404,7 +414,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         device views of host-resident ones), one list per key of the bucket (``bucket.lists``);
         ``work_params`` are the contiguous tensors updated in place of ``params`` (written back)."""
         spec = self.algorithm
-        lr = lr_tensor(group, bucket.gi, bucket.device)
+        lr = lr_tensor(group, bucket.device)
         hyper = self._engine_hyper(group if lr is None else {**group, "lr": 0.0})
         n_keys = len(spec.states)
         qmaps = [bucket.states[0][q] for q in spec.qmap_keys] if bucket.eight_bit else []

@@ -32,7 +32,7 @@ def capturing(p: torch.Tensor) -> bool:
     return p.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def lr_tensor(group: dict, gi: int, device: torch.device) -> Optional[torch.Tensor]:
+def lr_tensor(group: dict, device: torch.device) -> Optional[torch.Tensor]:
     """The group's lr when the kernels can read it on ``device`` (a tensor there), else None (a
     float lr, or a tensor elsewhere, which the step reads on the host)."""
     lr = group["lr"]
@@ -41,7 +41,7 @@ def lr_tensor(group: dict, gi: int, device: torch.device) -> Optional[torch.Tens
     return None
 
 
-def capture_check(opt: "QuantizedOptimizer", plan, params: list) -> None:
+def capture_check(opt: "QuantizedOptimizer", plan) -> None:
     """Refuse, before anything changes, a step being captured that could not replay correctly."""
     name = type(opt).__name__
     if not getattr(opt, "capturable", False):

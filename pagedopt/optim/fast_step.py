@@ -62,11 +62,11 @@ def fast_step(opt: "QuantizedOptimizer", plan) -> bool:
         return False
     buckets = plan.buckets
     if capture.capturing(buckets[0].params[0]):
-        capture_check(opt, plan, None)
+        capture_check(opt, plan)
     calls = []
     for b in buckets:  # every held bucket's hyperparameters read before anything changes
-        group = {**groups[b.gi], **b.override} if b.override else groups[b.gi]
-        lr = lr_tensor(group, b.gi, b.device)
+        group = opt._group_of(b)
+        lr = lr_tensor(group, b.device)
         hyper = None if b.held is None else [float(h) for h in opt._engine_hyper(group if lr is None else
                                                                                    {**group, "lr": 0.0})]
         calls.append((b, hyper, lr))
@@ -83,21 +83,12 @@ def fast_step(opt: "QuantizedOptimizer", plan) -> bool:
                 if other.held is not None:
                     other.held.release()
             return False
-    grad_scale = getattr(opt, "grad_scale", None)
-    found_inf = getattr(opt, "found_inf", None)
-    for steps in plan.steps_by_device.values():
-        add_to_counters(steps, 1.0)
-    if pager is not None:
-        pager.begin_step()
-    for i, (b, hyper, lr) in enumerate(calls):
-        scale = None if grad_scale is None else grad_scale.to(b.device, non_blocking=True)
-        inf = None if found_inf is None else found_inf.to(b.device, non_blocking=True)
+
+    def step_bucket(i, b, scale, inf):
         if b.held is None:
-            group = {**groups[b.gi], **b.override} if b.override else groups[b.gi]
-            opt._step_bucket(group, b, b.params, unheld[i], True, scale, inf)
+            opt._step_bucket(opt._group_of(b), b, b.params, unheld[i], True, scale, inf)
         else:
-            b.held.step_gathered(hyper, scale, inf, lr)
-    if found_inf is not None:
-        for device, steps in plan.steps_by_device.items():
-            subtract_from_counters(steps, found_inf.to(device, non_blocking=True))
+            b.held.step_gathered(calls[i][1], scale, inf, calls[i][2])
+
+    opt._count_and_step(plan, step_bucket)
     return True

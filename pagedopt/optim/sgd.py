@@ -48,7 +48,7 @@ class SGDBase(QuantizedOptimizer):
     def _step_stateless(self, group: dict, params, grads, grad_scale, found_inf) -> None:
         """Plain SGD (torch.optim.SGD with momentum = 0): p -= lr * (g + weight_decay * p), in fp32;
         GradScaler's found_inf keeps every parameter as it was (torch.where: no host synchronisation)."""
-        lr_t = lr_tensor(group, 0, params[0].device) if params else None  # read on the device (capturable)
+        lr_t = lr_tensor(group, params[0].device) if params else None  # read on the device (capturable)
         lr, wd = (0.0 if lr_t is not None else float(group["lr"])), float(group["weight_decay"])
         inv_scale = None if grad_scale is None else grad_scale.reciprocal()  # exact for GradScaler's powers of two
         for p, g in zip(params, grads):

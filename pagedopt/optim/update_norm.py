@@ -62,7 +62,7 @@ class ScaledByUpdateNorm(QuantizedOptimizer):
     def _step_bucket(self, group: dict, bucket: _Bucket, params, grads, contiguous: bool, grad_scale,
                      found_inf) -> None:
         spec = self.algorithm
-        lr = lr_tensor(group, bucket.gi, bucket.device)
+        lr = lr_tensor(group, bucket.device)
         hyper = self._engine_hyper(group if lr is None else {**group, "lr": 0.0})
         max_unorm = float(group["max_unorm"])
         n_keys = len(spec.states)
