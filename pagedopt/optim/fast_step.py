@@ -28,7 +28,6 @@ from .. import _ops
 from . import capture
 from .capture import capture_check, lr_tensor
 from .state_table import StateTable
-from .step_counters import add_to_counters, subtract_from_counters
 
 if TYPE_CHECKING:
     from .base import QuantizedOptimizer
