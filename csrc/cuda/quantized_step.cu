@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -245,7 +246,7 @@ bool capturing(cudaStream_t stream) {
 // behind the host (the blocks of the steps it has not run yet are all still in use), and that call
 // waits for the device. A kept copy is never written again, so the kernels of earlier steps that
 // read it need no ordering; a replaced one goes back to the caching allocator, for later work on
-// its stream only.
+// its stream only, after the work of every other stream that read it (recordStream).
 //
 // Inside graph capture: the graph's copy reads its source again at every replay, so the table goes
 // up from page-locked memory of our own that is never freed (a few hundred bytes per tensor per
@@ -279,7 +280,14 @@ at::Tensor device_metadata(const std::vector<uint8_t>& table, int device, uintpt
   const auto key = std::make_tuple(device, first, bytes);
   const std::lock_guard<std::mutex> lock(*mutex);
   auto it = kept->find(key);
-  if (it != kept->end() && it->second.table == table) return it->second.dev;
+  if (it != kept->end() && it->second.table == table) {
+    // read on another stream than the one it was made on (updates on a side stream, then on the
+    // current one): the allocator must not hand its memory out again before that stream's work
+    // has read it, when the copy is replaced
+    c10::cuda::CUDACachingAllocator::recordStream(it->second.dev.storage().data_ptr(),
+                                                  c10::cuda::getStreamFromExternal(stream, device));
+    return it->second.dev;
+  }
   at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   std::memcpy(host.data_ptr(), table.data(), table.size());
   at::Tensor dev = at::empty({bytes}, opts);
