@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -151,6 +152,35 @@ MODES = [
     Mode("torchao_cpu_offload", _torchao_offload, cuda_only=True,
          note="CPUOffloadOptimizer(AdamW, fused=True): AdamW on the CPU, states on the host"),
 ]
+VARIANT_HELP = ("a mode name may end in @cN (N chunks per device buffer) and/or pN (update stream priority N) "
+                "for updates during backward, e.g. pagedopt_paged_adamw8bit_host_bwd@c6p0")
+
+
+def resolve_mode(name: str, by_name: dict) -> Optional[Mode]:
+    """The mode of ``name``: a plain mode name, or one of updates during backward with a variant of
+    its tuning (``@c6``, ``@p0``, ``@c6p-1``: chunks per device buffer, update stream priority),
+    each run in its own process like every mode. None for an unknown name or variant."""
+    base, at, variant = name.partition("@")
+    mode = by_name.get(base)
+    if mode is None or not at:
+        return mode
+    m = re.fullmatch(r"(?:c(\d+))?(?:p(-?\d+))?", variant)
+    if m is None or not any(m.groups()) or "update_in_backward" not in mode.note:
+        return None
+    chunks, priority = (int(x) if x is not None else None for x in m.groups())
+    if chunks is not None and chunks < 1:
+        return None
+
+    def make(params, device):
+        from pagedopt.optim.backward_updates import BackwardUpdates
+        if chunks is not None:
+            BackwardUpdates.chunks_per_buffer = chunks
+        if priority is not None:
+            BackwardUpdates.stream_priority = priority
+        return mode.make(params, device)
+    return dataclasses.replace(mode, name=name, make=make, note=f"{mode.note} ({variant})")
+
+
 SMOKE_MODES = ("torch_adamw_fused", "pagedopt_adamw8bit", "pagedopt_paged_adamw8bit_pageout",
                "pagedopt_paged_adamw8bit_host", "pagedopt_paged_adamw8bit_host_bwd")
 
@@ -294,7 +324,7 @@ def plot(records: list[dict], path: str) -> Optional[str]:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="", help="comma-separated mode names (default: all; --smoke: "
-                    + ",".join(SMOKE_MODES) + ")")
+                    + ",".join(SMOKE_MODES) + "); " + VARIANT_HELP)
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, a few steps (CI)")
     ap.add_argument("--warmup", type=int, default=3)
@@ -317,13 +347,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.warmup, args.steps = min(args.warmup, 1), min(args.steps, 2)
     by_name = {m.name: m for m in MODES}
     names = [n for n in args.modes.split(",") if n] or (list(SMOKE_MODES) if args.smoke else list(by_name))
-    unknown = [n for n in names if n not in by_name]
+    unknown = [n for n in names if resolve_mode(n, by_name) is None]
     if unknown:
-        ap.error(f"unknown mode(s) {unknown}; known: {', '.join(by_name)}")
+        ap.error(f"unknown mode(s) {unknown}; known: {', '.join(by_name)}; {VARIANT_HELP}")
 
     if args.mode is not None:  # a child
         try:
-            rec = run_mode(by_name[args.mode], cfg, device, args.warmup, args.steps)
+            rec = run_mode(resolve_mode(args.mode, by_name), cfg, device, args.warmup, args.steps)
         except Exception as exc:  # noqa: BLE001 - recorded as skipped, with the reason
             rec = {"mode": args.mode, "skipped": C.short_error(exc)}
         C.write_json(args.mode_out, rec)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
@@ -196,3 +197,35 @@ def test_bench_train_smoke(tmp_path):
     assert all(_positive(r["loop_step_ms"]) and len(r["loop_losses"]) == 2 for r in recs.values())
     if _has_matplotlib():
         assert (tmp_path / "train.png").stat().st_size > 0
+
+
+def test_bench_train_mode_variants():
+    """bench_train's ``@cNpM`` mode names: the tuning of updates during backward, set in the mode's
+    own process before its optimizer is made; anything else is an unknown mode."""
+    sys.path.insert(0, BENCH)
+    try:
+        spec = importlib.util.spec_from_file_location("pagedopt_bench_train", os.path.join(BENCH, "bench_train.py"))
+        bt = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+        spec.loader.exec_module(bt)
+    finally:
+        sys.path.remove(BENCH)
+    from pagedopt.optim.backward_updates import BackwardUpdates
+
+    by_name = {m.name: m for m in bt.MODES}
+    base = "pagedopt_paged_adamw8bit_host_bwd"
+    assert bt.resolve_mode(base, by_name) is by_name[base]
+    for bad in (base + "@", base + "@x3", base + "@c0", base + "@c3q", "pagedopt_adamw8bit@c4", "nope@c4", "nope"):
+        assert bt.resolve_mode(bad, by_name) is None, bad
+    saved = BackwardUpdates.chunks_per_buffer, BackwardUpdates.stream_priority
+    try:
+        for name, want in ((base + "@c6p0", (6, 0)), (base + "@p1", (saved[0], 1)), (base + "@c3", (3, saved[1]))):
+            BackwardUpdates.chunks_per_buffer, BackwardUpdates.stream_priority = saved  # as in a fresh process
+            mode = bt.resolve_mode(name, by_name)
+            assert mode.name == name
+            opt = mode.make([torch.nn.Parameter(torch.randn(64))], torch.device("cpu"))
+            assert opt.update_in_backward
+            assert (BackwardUpdates.chunks_per_buffer, BackwardUpdates.stream_priority) == want, name
+    finally:
+        BackwardUpdates.chunks_per_buffer, BackwardUpdates.stream_priority = saved
+    with pytest.raises(SystemExit):  # argparse's error, naming the variant grammar
+        bt.main(["--smoke", "--modes", base + "@c0"])
