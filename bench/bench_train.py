@@ -152,6 +152,7 @@ MODES = [
     Mode("torchao_cpu_offload", _torchao_offload, cuda_only=True,
          note="CPUOffloadOptimizer(AdamW, fused=True): AdamW on the CPU, states on the host"),
 ]
+LINK_BYTES = 1 << 30  # pinned copies that measure the host link (bench/common.py pinned_bandwidth)
 VARIANT_HELP = ("a mode name may end in @cN (N chunks per device buffer) and/or pN (update stream priority N) "
                 "for updates during backward, e.g. pagedopt_paged_adamw8bit_host_bwd@c6p0")
 
@@ -229,6 +230,7 @@ def run_mode(mode: Mode, cfg: ModelConfig, device, warmup: int, steps: int, seed
         torch.cuda.reset_peak_memory_stats(device)
     peaks = {k: 0 for k in peaks}
     times = []
+    transfer_ms = []  # host-resident states: the GPU time of each timed step's copies in and back
     for _ in range(steps):
         C.sync(device)
         t0 = time.perf_counter()
@@ -236,6 +238,8 @@ def run_mode(mode: Mode, cfg: ModelConfig, device, warmup: int, steps: int, seed
         C.sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
         losses.append(float(loss))
+        if getattr(opt, "is_paged", False):
+            transfer_ms.append(opt.paging_stats().transfer_ms_last_step)
     # the same number of steps back to back, synchronised only before and after: the time per step
     # of a training loop, where what a step leaves in flight (copies back) overlaps the next forward
     C.sync(device)
@@ -250,6 +254,8 @@ def run_mode(mode: Mode, cfg: ModelConfig, device, warmup: int, steps: int, seed
         "params": sum(p.numel() for p in params),
         "step_ms": statistics.median(times),
         "step_ms_all": times,
+        "state_bytes": C.state_bytes(opt, views=True),  # what streaming moves each way
+        "transfer_ms": statistics.median(transfer_ms) if transfer_ms and None not in transfer_ms else None,
         "losses": losses,
         "loop_losses": [float(x) for x in loop_losses],
         "max_memory_allocated": torch.cuda.max_memory_allocated(device) if C.is_cuda(device) else None,
@@ -293,6 +299,21 @@ def result_table(records: list[dict]) -> str:
                      r.get("note", "")])
     return C.table(rows, ["mode", "step ms", "x adamw8bit", "loop ms", "max alloc GiB", "device used GiB",
                           "after bwd GiB", "after step GiB", "note"])
+
+
+def link_summary(link: dict, records: list[dict]) -> str:
+    """The link's rates and the floor they set for streaming the states in and back each step."""
+    lines = []
+    for when, r in link.items():
+        lines.append(f"link {when}: host->device {C.fmt(r['h2d_gbps'], 1)} GB/s, device->host "
+                     f"{C.fmt(r['d2h_gbps'], 1)} GB/s, both at once {C.fmt(r['both_gbps_each_way'], 1)} GB/s each way")
+    each_way = [r["both_gbps_each_way"] for r in link.values() if r.get("both_gbps_each_way")]
+    streamed = next((r for r in records if "_host" in r.get("mode", "") and r.get("state_bytes")), None)
+    if each_way and streamed:
+        floor = streamed["state_bytes"] / (min(each_way) * C.GB) * 1e3
+        lines.append(f"host-resident states: {streamed['state_bytes'] / C.GB:.2f} GB each way per step, "
+                     f"{floor:.1f} ms of link time at the slower rate measured both ways at once")
+    return "\n".join(lines)
 
 
 def plot(records: list[dict], path: str) -> Optional[str]:
@@ -364,16 +385,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     child_argv = ["--device", str(device), "--warmup", str(args.warmup), "--steps", str(args.steps),
                   "--layers", str(cfg.layers), "--batch", str(cfg.batch)] + (["--smoke"] if args.smoke else [])
     records = []
+    # the host link, before and after the modes (the host-resident modes' floor moves with it, and
+    # it differs from one machine to the next): pinned copies, each way and both ways at once
+    link = {"before": C.pinned_bandwidth(device, LINK_BYTES)} if C.is_cuda(device) else None
     for name in names:
         print(f"[bench_train] {name} ...", flush=True)
         rec = run_child(child_argv, name, os.path.join(out_dir, f"mode_{name}.json"), args.timeout)
         records.append(rec)
         print("   ", rec.get("skipped") or f"{rec['step_ms']:.1f} ms", flush=True)
+    if link is not None:
+        link["after"] = C.pinned_bandwidth(device, LINK_BYTES)
     doc = {"env": C.env_info(device), "config": dataclasses.asdict(cfg), "params": param_count(cfg),
            "command": " ".join([os.path.basename(sys.executable), "bench/bench_train.py", *(argv or sys.argv[1:])]),
-           "records": records}
+           "link": link, "records": records}
     C.write_json(os.path.join(out_dir, "train.json"), doc)
     print(result_table(records))
+    if link is not None:
+        print(link_summary(link, records))
     png = plot(records, os.path.join(out_dir, "train.png"))
     if png:
         print(f"chart: {png}")

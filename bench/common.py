@@ -134,7 +134,8 @@ def copy_bandwidth(device, nbytes: int = 2 << 30, warmup: int = DEFAULT_WARMUP,
 
 
 def pinned_bandwidth(device, nbytes: int = 1 << 30, warmup: int = 2, repeat: int = 5) -> dict:
-    """Pinned host -> device and device -> host `copy_` bandwidth (bytes copied / time)."""
+    """Pinned host -> device and device -> host `copy_` bandwidth (bytes copied / time), one
+    direction at a time and both at once (half the bytes each way; the rate of each direction)."""
     if not is_cuda(device):
         return {"skipped": "not a CUDA device"}
     n = nbytes // 4
@@ -143,10 +144,27 @@ def pinned_bandwidth(device, nbytes: int = 1 << 30, warmup: int = 2, repeat: int
     dev = torch.empty(n, dtype=torch.float32, device=device)
     h2d = stats(time_ms(lambda: dev.copy_(host, non_blocking=True), device, warmup, repeat))
     d2h = stats(time_ms(lambda: host.copy_(dev, non_blocking=True), device, warmup, repeat))
+    # both directions at once (what streaming host-resident states does: copies in and back
+    # overlap), each on a stream of its own, between two halves of the buffers
+    half = n // 2
+    streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+
+    def both():
+        cur = torch.cuda.current_stream(device)
+        for s in streams:
+            s.wait_stream(cur)
+        with torch.cuda.stream(streams[0]):
+            dev[:half].copy_(host[:half], non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            host[half:2 * half].copy_(dev[half:2 * half], non_blocking=True)
+        for s in streams:
+            cur.wait_stream(s)
+    duplex = stats(time_ms(both, device, warmup, repeat))
     del host, dev
     free_memory()
     return {"bytes": n * 4, "h2d": h2d, "d2h": d2h, "h2d_gbps": gbps(n * 4, h2d["median_ms"]),
-            "d2h_gbps": gbps(n * 4, d2h["median_ms"])}
+            "d2h_gbps": gbps(n * 4, d2h["median_ms"]), "both": duplex,
+            "both_gbps_each_way": gbps(half * 4, duplex["median_ms"])}
 
 
 # --------------------------------------------------------------------------- parameter sets
@@ -226,39 +244,43 @@ def all_finite(params) -> bool:
 
 
 # --------------------------------------------------------------------------- memory accounting
-def _storage_key_and_bytes(t: torch.Tensor):
+def _storage_key_and_bytes(t: torch.Tensor, views: bool = False):
     try:
+        if views:  # the tensor's own bytes (tensors carved from one storage count apart)
+            return (str(t.device), t.data_ptr()), t.numel() * t.element_size()
         st = t.untyped_storage()
         return (str(t.device), st.data_ptr()), st.nbytes()
     except Exception:  # tensor subclasses without storage, etc.
         return (str(t.device), id(t)), t.numel() * t.element_size()
 
 
-def _walk_tensors(obj, out: dict) -> None:
+def _walk_tensors(obj, out: dict, views: bool = False) -> None:
     if isinstance(obj, torch.Tensor):
         flatten = getattr(type(obj), "__tensor_flatten__", None)
         if flatten is not None and type(obj) not in (torch.Tensor, torch.nn.Parameter):
             try:  # wrapper subclasses (torchao's OptimState8bit): count the inner tensors
                 names, _ = obj.__tensor_flatten__()
                 for name in names:
-                    _walk_tensors(getattr(obj, name), out)
+                    _walk_tensors(getattr(obj, name), out, views)
                 return
             except Exception:
                 pass
-        key, nbytes = _storage_key_and_bytes(obj)
+        key, nbytes = _storage_key_and_bytes(obj, views)
         out[key] = max(out.get(key, 0), nbytes)
     elif isinstance(obj, dict):
         for v in obj.values():
-            _walk_tensors(v, out)
+            _walk_tensors(v, out, views)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            _walk_tensors(v, out)
+            _walk_tensors(v, out, views)
 
 
-def state_bytes(optimizer) -> int:
-    """Bytes of every distinct storage reachable from optimizer.state (shared codebooks once)."""
+def state_bytes(optimizer, views: bool = False) -> int:
+    """Bytes of every distinct storage reachable from optimizer.state (shared codebooks once);
+    ``views``: of every distinct tensor instead (states carved from shared slabs count their own
+    bytes, not their slab's)."""
     found: dict = {}
-    _walk_tensors(dict(optimizer.state), found)
+    _walk_tensors(dict(optimizer.state), found, views)
     return int(sum(found.values()))
 
 

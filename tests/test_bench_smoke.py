@@ -195,6 +195,11 @@ def test_bench_train_smoke(tmp_path):
     for key in ("losses", "loop_losses"):
         assert recs["pagedopt_paged_adamw8bit_host_bwd"][key] == recs["pagedopt_adamw8bit"][key]
     assert all(_positive(r["loop_step_ms"]) and len(r["loop_losses"]) == 2 for r in recs.values())
+    # every mode keeps states; the 8-bit ones are the same bytes wherever they live; no CUDA, no
+    # link measurement and no copy times
+    assert all(_positive(r["state_bytes"]) for r in recs.values())
+    assert recs["pagedopt_paged_adamw8bit_host_bwd"]["state_bytes"] == recs["pagedopt_adamw8bit"]["state_bytes"]
+    assert doc["link"] is None and all(r["transfer_ms"] is None for r in recs.values())
     if _has_matplotlib():
         assert (tmp_path / "train.png").stat().st_size > 0
 
@@ -229,3 +234,9 @@ def test_bench_train_mode_variants():
         BackwardUpdates.chunks_per_buffer, BackwardUpdates.stream_priority = saved
     with pytest.raises(SystemExit):  # argparse's error, naming the variant grammar
         bt.main(["--smoke", "--modes", base + "@c0"])
+    # the link summary's floor: the states' bytes at the slower of the rates measured both ways at once
+    link = {"before": {"h2d_gbps": 50.0, "d2h_gbps": 52.0, "both_gbps_each_way": 40.0},
+            "after": {"h2d_gbps": 49.0, "d2h_gbps": 51.0, "both_gbps_each_way": 20.0}}
+    text = bt.link_summary(link, [{"mode": "pagedopt_adamw8bit", "state_bytes": 10 ** 9},
+                                  {"mode": base, "state_bytes": 2 * 10 ** 9}])
+    assert "2.00 GB each way" in text and "100.0 ms" in text and "both at once 40.0 GB/s" in text
