@@ -238,7 +238,7 @@ def run_mode(mode: Mode, cfg: ModelConfig, device, warmup: int, steps: int, seed
         C.sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
         losses.append(float(loss))
-        if getattr(opt, "is_paged", False):
+        if getattr(opt, "is_paged", False) and hasattr(opt, "paging_stats"):  # pagedopt's, not a peer's
             transfer_ms.append(opt.paging_stats().transfer_ms_last_step)
     # the same number of steps back to back, synchronised only before and after: the time per step
     # of a training loop, where what a step leaves in flight (copies back) overlaps the next forward
@@ -254,7 +254,7 @@ def run_mode(mode: Mode, cfg: ModelConfig, device, warmup: int, steps: int, seed
         "params": sum(p.numel() for p in params),
         "step_ms": statistics.median(times),
         "step_ms_all": times,
-        "state_bytes": C.state_bytes(opt, views=True),  # what streaming moves each way
+        "state_bytes": _state_bytes_or_none(opt),  # what streaming moves each way
         "transfer_ms": statistics.median(transfer_ms) if transfer_ms and None not in transfer_ms else None,
         "losses": losses,
         "loop_losses": [float(x) for x in loop_losses],
@@ -269,6 +269,15 @@ def run_mode(mode: Mode, cfg: ModelConfig, device, warmup: int, steps: int, seed
         except Exception as exc:  # noqa: BLE001 - a report, not a check
             rec["paging_stats"] = C.short_error(exc)
     return rec
+
+
+def _state_bytes_or_none(opt) -> Optional[int]:
+    """The optimizer's state bytes, per tensor; None for an optimizer without a readable ``state``
+    (torchao's CPUOffloadOptimizer keeps its own)."""
+    try:
+        return C.state_bytes(opt, views=True)
+    except Exception:  # noqa: BLE001 - a report, not a check
+        return None
 
 
 # --------------------------------------------------------------------------- the parent

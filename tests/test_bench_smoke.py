@@ -240,3 +240,35 @@ def test_bench_train_mode_variants():
     text = bt.link_summary(link, [{"mode": "pagedopt_adamw8bit", "state_bytes": 10 ** 9},
                                   {"mode": base, "state_bytes": 2 * 10 ** 9}])
     assert "2.00 GB each way" in text and "100.0 ms" in text and "both at once 40.0 GB/s" in text
+
+
+def test_bench_train_records_peers_shapes():
+    """run_mode records optimizers shaped like the peers': one that says it is paged but has no
+    paging_stats (bitsandbytes' Paged*), one without a ``state`` (torchao's CPUOffloadOptimizer)."""
+    sys.path.insert(0, BENCH)
+    try:
+        spec = importlib.util.spec_from_file_location("pagedopt_bench_train2", os.path.join(BENCH, "bench_train.py"))
+        bt = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bt)
+    finally:
+        sys.path.remove(BENCH)
+
+    class PagedWithoutStats(torch.optim.SGD):
+        is_paged = True
+
+    class Wrapper:  # steps an inner optimizer, keeps no .state of its own
+        def __init__(self, params):
+            self.inner = torch.optim.SGD(params, lr=1e-3)
+
+        def step(self):
+            self.inner.step()
+
+        def zero_grad(self, set_to_none=True):
+            self.inner.zero_grad(set_to_none=set_to_none)
+
+    cpu = torch.device("cpu")
+    for make, has_states in ((lambda ps, d: PagedWithoutStats(ps, lr=1e-3, momentum=0.9), True),
+                             (lambda ps, d: Wrapper(ps), False)):
+        rec = bt.run_mode(bt.Mode("peer", make), bt.TINY, cpu, warmup=1, steps=2)
+        assert _positive(rec["step_ms"]) and rec["transfer_ms"] is None
+        assert (rec["state_bytes"] is not None and rec["state_bytes"] > 0) if has_states else rec["state_bytes"] is None
