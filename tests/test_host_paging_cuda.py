@@ -214,3 +214,37 @@ def test_cuda_host_residency_checkpoint_and_copy():
     for params in (host_params, resumed_params, twin_params):
         for a, b in zip(ref_params, params):
             assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+def test_cuda_copy_trace_and_transfer_time_of_a_planned_pass():
+    """A pass's copy trace has each group's copy in and copy back, the copy back starting after
+    the copy in ended (the work between them waits for one and is waited for by the other); the
+    pass's transfer time spans its copies; the results are the host tensors plus one."""
+    _require_paging()
+    pager = HostResidentPager(4 * MiB, prefetch_depth=1)
+    ts = [pager.zeros((256 * 1024,), torch.float32, "cuda") for _ in range(3)]  # 1 MiB each
+    for i, t in enumerate(ts):
+        t.copy_(torch.randn(t.numel()) + i)
+    want = [t + 1 for t in ts]
+    plan = pager.plan_pass([[t] for t in ts])
+    for _ in range(2):  # the second pass reuses the plan's views
+        trace = []
+        pager.begin_step()
+        p = pager.open_pass("cuda", plan, trace=trace)
+        for i in range(len(ts)):
+            p.take(i)[0].add_(0.5)
+            p.give_back(i)
+        pager.synchronize()
+        torch.cuda.synchronize()
+        copies = {(k, what): (start, end) for k, what, start, end in trace}
+        assert sorted(copies) == [(k, w) for k in range(3) for w in ("back", "in")]
+        for k in range(3):
+            (in_start, in_end), (back_start, back_end) = copies[(k, "in")], copies[(k, "back")]
+            assert in_start.elapsed_time(in_end) > 0 and back_start.elapsed_time(back_end) > 0
+            assert in_end.elapsed_time(back_start) >= 0, k
+        stats = pager.stats()
+        assert stats.transfer_ms_last_step is not None and stats.transfer_ms_last_step > 0
+        assert stats.page_in_bytes_last_step == stats.page_out_bytes_last_step == 3 * MiB
+    for t, w in zip(ts, want):
+        assert torch.equal(t, w)

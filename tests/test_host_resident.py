@@ -348,3 +348,49 @@ def test_a_slice_ending_inside_its_tensor_moves_without_the_bytes_after_it():
     assert torch.equal(b, torch.arange(64.0) + 1500)
     whole = pager.open_pass("cpu", [[a, b]])  # whole tensors of our own: padding between, one copy
     assert len(whole.layouts[0].runs) == 1
+
+
+def test_a_planned_pass_repeats_with_the_same_views_and_results():
+    """plan_pass lays groups out once: passes opened from the plan give the same results as passes
+    opened from the groups, and hand out the very same device views step after step (made once per
+    place in the buffer); a bad group is refused when planned, before anything moves."""
+    pager = HostResidentPager(1 << 20, prefetch_depth=1)
+    ts = [pager.zeros((n,), torch.float32, "cpu") for n in (100, 3, 64, 257)]
+    ref = [t.clone() for t in ts]
+    for i, t in enumerate(ts):
+        t.copy_(torch.randn(t.numel()) + i)
+        ref[i].copy_(t)
+    groups = [[ts[0], ts[1]], [ts[3]], [ts[2]]]
+    plan = pager.plan_pass(groups)
+    seen = []
+    for step in range(3):
+        p = pager.open_pass("cpu", plan)
+        assert p.groups is plan.groups and p.layouts is plan.layouts
+        views = []
+        for i in range(len(groups)):
+            vs = p.take(i)
+            for v in vs:
+                v.mul_(0.5).add_(step)
+            views.append(vs)
+            p.give_back(i)
+        seen.append([id(v) for vs in views for v in vs])
+        for t in ref:
+            t.mul_(0.5).add_(step)
+        assert all(torch.equal(t, r) for t, r in zip(ts, ref)), step
+    assert seen[0] == seen[1] == seen[2]  # the same view objects each pass
+    # a pass from the groups themselves: the same places, new layouts, equal results
+    p = pager.open_pass("cpu", groups)
+    assert p.layouts is not plan.layouts and [lay.offsets for lay in p.layouts] == [lay.offsets for lay in plan.layouts]
+    with pytest.raises(ValueError, match="contiguous"):
+        pager.plan_pass([[ts[0]], [torch.ones(4, 4).t()]])
+    assert all(torch.equal(t, r) for t, r in zip(ts, ref))
+
+
+def test_a_pass_on_the_cpu_ignores_a_copy_trace():
+    pager = HostResidentPager(1 << 20)
+    t = pager.zeros((8,), torch.float32, "cpu")
+    trace = []
+    p = pager.open_pass("cpu", [[t]], trace=trace)
+    p.take(0)[0].add_(1)
+    p.give_back(0)
+    assert trace == [] and torch.equal(t, torch.ones(8))

@@ -145,8 +145,10 @@ class BackwardUpdates:
         self._began = False                   # the pager was told that a step began
         self._stepped: dict = {}              # id(bucket) -> positions whose counter was incremented
         self._streams: dict = {}
+        self._pass_plans: Optional[dict] = None  # device -> the pager's PassPlan of the schedule's chunks
         self.trace: Optional[list] = None     # a list: per chunk update, (chunk, gradients ready, update
         # started, update done) as CUDA timing events (scripts/profile_train_step.py reads it)
+        self.copy_trace: Optional[list] = None  # a list: the passes' copies, (chunk, "in"/"back", start, end)
 
     # ------------------------------------------------------------------ hooks
     def hook_params(self, params) -> None:
@@ -209,7 +211,7 @@ class BackwardUpdates:
         return True
 
     def drop_schedule(self) -> None:
-        self._plan = self._schedule = self._runs = None
+        self._plan = self._schedule = self._runs = self._pass_plans = None
         self._chunk_of = {}
 
     def make_schedule(self, opt, plan) -> None:
@@ -252,6 +254,9 @@ class BackwardUpdates:
         self._plan = plan
         self._schedule = {device: [(list(parts.items()), ids) for parts, ids in chunks]
                           for device, chunks in schedule.items()}
+        # laid out once: each step's pass reuses the layouts and the device views
+        self._pass_plans = {device: opt._pager.plan_pass(self._groups(chunks))
+                            for device, chunks in self._schedule.items()}
         self._chunk_of = {}
         for device, chunks in self._schedule.items():
             for k, (_, ids) in enumerate(chunks):
@@ -266,7 +271,9 @@ class BackwardUpdates:
     def _open_passes(self, opt) -> None:
         """The coming step's pager passes: their first copies in start now."""
         depth = self.chunks_per_buffer - 1
-        self._runs = {device: _Run(chunks, opt._pager.open_pass(device, self._groups(chunks), depth))
+        copies = self.copy_trace
+        self._runs = {device: _Run(chunks, opt._pager.open_pass(device, self._pass_plans[device], depth,
+                                                                trace=copies))
                       for device, chunks in self._schedule.items()}
 
     # ------------------------------------------------------------------ updates

@@ -83,11 +83,23 @@ class _TimedCudaBackend(_CudaBackend):
 
 class _Layout:
     """A group's place in a region: each tensor's offset, the region's size, and its copies: runs
-    of (a tensor of the run, its storage's first and end byte, offset in the region)."""
-    __slots__ = ("offsets", "size", "runs")
+    of (a tensor of the run, its storage's first and end byte, offset in the region); the device
+    views of a region, made once per place in a buffer (``views``)."""
+    __slots__ = ("offsets", "size", "runs", "likes", "_views")
 
-    def __init__(self, offsets: list[int], size: int, runs: list):
-        self.offsets, self.size, self.runs = offsets, size, runs
+    def __init__(self, offsets: list[int], size: int, runs: list, likes: list):
+        self.offsets, self.size, self.runs, self.likes = offsets, size, runs, likes
+        self._views: dict = {}
+
+    def views(self, buf: torch.Tensor, start: int) -> list[torch.Tensor]:
+        """The group's tensors as views of ``buf`` in the region at ``start`` (a pass that runs
+        step after step puts a group at the same place: the views are made the first time only)."""
+        key = (buf.data_ptr(), start)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = [buf[start + off:start + off + nbytes].view(dtype).view(shape)
+                                        for off, (dtype, shape, nbytes) in zip(self.offsets, self.likes)]
+        return views
 
     @staticmethod
     def host_bytes(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -288,7 +300,15 @@ class HostResidentPager:
         if size > self.device_buffer_bytes:
             raise ValueError(f"{where} needs {size} bytes of device buffer, more than device_buffer_bytes="
                              f"{self.device_buffer_bytes}; raise the device buffer or split the group")
-        return _Layout(offsets, size, [(group[j], start, end, off) for j, start, end, off, _ in runs])
+        likes = [(t.dtype, t.shape, t.numel() * t.element_size()) for t in group]
+        return _Layout(offsets, size, [(group[j], start, end, off) for j, start, end, off, _ in runs], likes)
+
+    def plan_pass(self, groups: Sequence[Sequence[torch.Tensor]]) -> "PassPlan":
+        """Groups checked and laid out once, for passes that repeat step after step
+        (``open_pass(device, plan)``): nothing is laid out again, and each group's device views
+        are made once. Valid while the groups' host tensors live."""
+        groups = [list(g) for g in groups]
+        return PassPlan(groups, [self._layout(g, f"stream group {i}") for i, g in enumerate(groups)])
 
     def stream(self, device: DeviceLike, groups: Sequence[Sequence[torch.Tensor]]) -> Iterator[tuple[int, list]]:
         """The pass: ``for i, views in pager.stream(device, groups): work on views`` (on the current
@@ -299,19 +319,20 @@ class HostResidentPager:
         group whose iteration raised, and none of the later groups is touched."""
         return self._pass(self.open_pass(device, groups))
 
-    def open_pass(self, device: DeviceLike, groups: Sequence[Sequence[torch.Tensor]],
-                  prefetch_depth: Optional[int] = None) -> "StreamPass":
+    def open_pass(self, device: DeviceLike, groups, prefetch_depth: Optional[int] = None,
+                  trace: Optional[list] = None) -> "StreamPass":
         """A pass that the caller drives one group at a time (``stream()`` drives one in a loop):
         copies in of the first groups start now, ``take(i)`` hands out group i's device views and
         ``give_back(i)`` copies them back after the work queued so far, group after group in
         order, whenever the caller is ready (for example as gradients arrive during backward).
-        Checked like ``stream()``'s groups before anything moves. ``prefetch_depth``: this pass's
-        (default: the pager's)."""
+        ``groups``: lists of host tensors, checked like ``stream()``'s before anything moves, or a
+        ``plan_pass()`` of them. ``prefetch_depth``: this pass's (default: the pager's).
+        ``trace`` (CUDA): a list that gets (group, "in" or "back", start event, end event) for
+        every copy, timing events on the copy streams (for profiling)."""
         device = _as_device(device)
-        groups = [list(g) for g in groups]
-        layouts = [self._layout(g, f"stream group {i}") for i, g in enumerate(groups)]
+        plan = groups if isinstance(groups, PassPlan) else self.plan_pass(groups)
         depth = self.prefetch_depth if prefetch_depth is None else prefetch_depth
-        return StreamPass(self, device, groups, layouts, depth)
+        return StreamPass(self, device, plan.groups, plan.layouts, depth, trace if device.type == "cuda" else None)
 
     @staticmethod
     def _pass(p: "StreamPass") -> Iterator[tuple[int, list]]:
@@ -320,10 +341,13 @@ class HostResidentPager:
             yield i, views
             p.give_back(i)
 
-    @staticmethod
-    def _view(buf: torch.Tensor, start: int, like: torch.Tensor) -> torch.Tensor:
-        nbytes = like.numel() * like.element_size()
-        return buf[start:start + nbytes].view(like.dtype).view(like.shape)
+
+class PassPlan:
+    """Groups of host tensors and their layouts in a region (``HostResidentPager.plan_pass``)."""
+    __slots__ = ("groups", "layouts")
+
+    def __init__(self, groups: list, layouts: list):
+        self.groups, self.layouts = groups, layouts
 
 
 class StreamPass:
@@ -336,8 +360,10 @@ class StreamPass:
     buffer has room; a region is reused only after its copy back (an event the copy-in stream
     waits on). Dropping a pass part way is safe: later passes order their copies after its own."""
 
-    def __init__(self, pager: HostResidentPager, device: torch.device, groups: list, layouts: list, depth: int):
+    def __init__(self, pager: HostResidentPager, device: torch.device, groups: list, layouts: list, depth: int,
+                 trace: Optional[list] = None):
         self.pager, self.device, self.groups, self.layouts, self.depth = pager, device, groups, layouts, depth
+        self._trace = trace
         be = self._be = pager._backend(device)
         self._buf = pager._buffer(device)
         self._copy_in, self._copy_back = pager._streams_of(device, be)
@@ -377,16 +403,28 @@ class StreamPass:
             if r.start < end and start < r.end:
                 self._copy_in.wait_event(r.copied_back)
                 self._returning.remove(r)
+        marks = self._marks(k, "in", self._copy_in)
         with self._be.use_stream(self._copy_in):
             for t, first, last, off in layout.runs:
                 self._buf[start + off:start + off + last - first].copy_(layout.host_bytes(t, first, last),
                                                                         non_blocking=True)
         ev = self._be.new_event()
         ev.record(self._copy_in)
+        if marks is not None:
+            marks.record(self._copy_in)
         self._regions[k], self._ready[k] = region, ev
         self._live.append(region)
         self._head = end
         return True
+
+    def _marks(self, k: int, what: str, stream):
+        """With a trace: a timing event recorded on ``stream`` now, and one returned for the end."""
+        if self._trace is None:
+            return None
+        start, end = self._be.new_timing_event(), self._be.new_timing_event()
+        start.record(stream)
+        self._trace.append((k, what, start, end))
+        return end
 
     def _issue(self, ahead: int) -> None:
         """Copy in the groups up to ``taken + ahead``, as far as the buffer has room."""
@@ -407,9 +445,8 @@ class StreamPass:
         if self.first_event is not None and pager._timing is None:  # the step's first pass opens its transfer time
             pager._timing = (self.first_event, None)
         self._be.current_stream(self.device.index).wait_event(self._ready[i])
-        region = self._regions[i]
-        self._views = [pager._view(self._buf, region.start + off, t) for t, off in zip(self.groups[i], region.offsets)]
-        pager._moved_in += sum(t.numel() * t.element_size() for t in self.groups[i])
+        self._views = self.layouts[i].views(self._buf, self._regions[i].start)
+        pager._moved_in += sum(nbytes for _, _, nbytes in self.layouts[i].likes)
         return self._views
 
     def give_back(self, i: int) -> None:
@@ -422,17 +459,20 @@ class StreamPass:
         self._copy_back.wait_event(done)
         region = self._regions[i]
         layout = self.layouts[i]
+        marks = self._marks(i, "back", self._copy_back)
         with be.use_stream(self._copy_back):
             for t, first, last, off in layout.runs:
                 layout.host_bytes(t, first, last).copy_(self._buf[region.start + off:region.start + off + last - first],
                                                         non_blocking=True)
-        pager._moved_out += sum(t.numel() * t.element_size() for t in self.groups[i])
+        pager._moved_out += sum(nbytes for _, _, nbytes in layout.likes)
         last = region.copied_back = be.new_event()
         last.record(self._copy_back)
+        if marks is not None:
+            marks.record(self._copy_back)
         pager._last_copy_back[self.device] = last  # the next pass (and settle) wait for it, even if this one stops here
         self._live.remove(region)
         self._returning.append(region)
-        if self.first_event is not None:
+        if self.first_event is not None and i == len(self.groups) - 1:  # the pass's copies end here
             end_ev = be.new_timing_event()
             end_ev.record(self._copy_back)
             pager._timing = (pager._timing[0] if pager._timing else self.first_event, end_ev)
