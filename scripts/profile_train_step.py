@@ -34,6 +34,24 @@ def _busy(intervals):
     return total
 
 
+def _print_copies(t0, copies: list, updates: dict) -> None:
+    """Each chunk's copy in, update (gradients ready, start, end) and copy back, ms from the step's
+    start (negative: during the step before), and how busy each direction was."""
+    at = {(k, what): (t0.elapsed_time(s), t0.elapsed_time(e)) for k, what, s, e in copies}
+    print("   chunk   in start   in end   grads   upd start  upd end  back start  back end")
+    for k in sorted({k for k, _ in at}):
+        cin, cback = at.get((k, "in"), (None, None)), at.get((k, "back"), (None, None))
+        upd = [t0.elapsed_time(e) for e in updates[k]] if k in updates else [None] * 3
+        cells = [*cin, *upd, *cback]
+        print(f"   {k:5d}" + "".join(f"  {x:8.2f}" if x is not None else "         -" for x in cells))
+    for what in ("in", "back"):
+        ivs = [v for (k, w), v in at.items() if w == what]
+        if ivs:
+            first, last = min(s for s, _ in ivs), max(e for _, e in ivs)
+            print(f"   copies {what}: {first:.2f} to {last:.2f} ms, busy {_busy(ivs):.2f} ms "
+                  f"({_busy(ivs) / max(last - first, 1e-9) * 100:.0f}%)")
+
+
 def profile_mode(name: str, layers: int, warmup: int, profiler: bool = True) -> None:
     mode = {m.name: m for m in BT.MODES}[name]
     cfg = BT.ModelConfig() if layers is None else BT.ModelConfig(layers=layers)
@@ -65,9 +83,12 @@ def profile_mode(name: str, layers: int, warmup: int, profiler: bool = True) -> 
     # the GPU times of forward, backward and step() marks, and the chunks' updates during backward
     bwd = getattr(opt, "_backward_updates", None)
     rows = []
+    copy_traces = []  # per step: the copies of the pass opened at its end (the next step's)
     for _ in range(3):
         if bwd is not None:
             bwd.trace = []
+            bwd.copy_trace = []
+            copy_traces.append(bwd.copy_trace)
         step(mark=True)
         torch.cuda.synchronize()
         rows.append({k: marks["start"].elapsed_time(e) for k, e in marks.items()})
@@ -78,11 +99,15 @@ def profile_mode(name: str, layers: int, warmup: int, profiler: bool = True) -> 
           f"{getattr(stats, 'transfer_ms_last_step', None)}")
     if bwd is not None and bwd.trace:
         t0 = marks["start"]
+        bwd_trace_all = list(bwd.trace)  # the last marked step's updates
         print("   chunk  grads ready  update start  update end   (last step)")
         trace = bwd.trace if profiler else bwd.trace[-3:]
         for k, ready, start, end in trace:
             print(f"   {k:5d}  {t0.elapsed_time(ready):11.2f}  {t0.elapsed_time(start):12.2f}  {t0.elapsed_time(end):10.2f}")
         bwd.trace = None
+        if len(copy_traces) >= 2 and copy_traces[-2]:  # the last marked step's copies (its pass opened a step before)
+            _print_copies(t0, copy_traces[-2], {k: (ready, start, end) for k, ready, start, end in bwd_trace_all})
+        bwd.copy_trace = None
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(5):  # back to back, as in a training loop

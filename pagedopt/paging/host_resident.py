@@ -408,10 +408,10 @@ class StreamPass:
             for t, first, last, off in layout.runs:
                 self._buf[start + off:start + off + last - first].copy_(layout.host_bytes(t, first, last),
                                                                         non_blocking=True)
+        if marks is not None:  # before the ready event: whoever waits for that has this one behind it
+            marks.record(self._copy_in)
         ev = self._be.new_event()
         ev.record(self._copy_in)
-        if marks is not None:
-            marks.record(self._copy_in)
         self._regions[k], self._ready[k] = region, ev
         self._live.append(region)
         self._head = end
