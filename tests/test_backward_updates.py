@@ -336,3 +336,53 @@ def test_cuda_compiled_model_and_the_memory_it_holds():
     n = len(list(runs[1][0].parameters()))
     assert runs[1][2] == [n] * 3 and runs[0][2] == [0] * 3
     assert runs[1][3] <= runs[0][3] + (1 << 20), (runs[1][3], runs[0][3])
+
+
+def test_the_last_buffers_worth_of_the_schedule_goes_in_smaller_chunks():
+    """Chunks are a quarter of the device buffer, but those of the parameters whose states end in
+    the schedule's last buffer's worth are a sixteenth (their copies in wait for the copies back
+    before them); every state byte is in exactly one chunk, in the order the gradients arrive."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(128, 128, bias=False) for _ in range(12)])  # 16384 elements each
+    opt = pagedopt.PagedAdamW8bit(m.parameters(), lr=1e-3, min_8bit_size=1024)
+    per_param = 2 * 16384 + 2 * 256  # two 8-bit moments, two absmax of 64 blocks (aligned to 256 bytes)
+    buffer = 4 * per_param  # the schedule is three buffers' worth
+    opt.set_pager(residency="host", device_buffer=buffer, update_in_backward=True)
+    x = torch.randn(4, 128)
+    for _ in range(2):
+        m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    bwd = opt._backward_updates
+    chunks = bwd._schedule[torch.device("cpu")]
+
+    def payload(parts):  # the state bytes a chunk moves (without the alignment of its tensors in the buffer)
+        return sum(t.numel() * t.element_size() for _, pieces in parts for piece in pieces for t in piece.host)
+    sizes = [payload(parts) for parts, _ in chunks]
+    assert sum(sizes) == 12 * per_param
+    head, tail = [], []
+    done = 0
+    for size in sizes:
+        done += size
+        (tail if done > 12 * per_param - buffer else head).append(size)
+    # pieces are cut at whole 1024-element steps of the moments' bytes: a piece may pass its cap by
+    # its absmax (4 bytes per 256 elements, both moments: 1/128 of the moments' bytes)
+    assert head and all(buffer // 16 < s <= buffer // 4 for s in head), sizes
+    assert sum(tail) >= buffer - per_param and all(s <= buffer // 16 * (1 + 1 / 128) for s in tail), sizes
+    # the parameters come in the order their gradients arrived (the last layer's first)
+    order = [pid for _, ids in chunks for pid in ids]
+    firsts = [order.index(id(layer.weight)) for layer in reversed(m)]
+    assert firsts == sorted(firsts)
+    # and a chunk size of the whole schedule can be set back (tail_chunks_per_buffer = chunks_per_buffer)
+    from pagedopt.optim.backward_updates import BackwardUpdates
+    saved = BackwardUpdates.tail_chunks_per_buffer
+    try:
+        BackwardUpdates.tail_chunks_per_buffer = BackwardUpdates.chunks_per_buffer
+        bwd.drop_schedule()  # the next step is an ordinary one, which makes the schedule again
+        m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        uniform = [payload(parts) for parts, _ in bwd._schedule[torch.device("cpu")]]
+        assert all(buffer // 16 < s <= buffer // 4 for s in uniform) and sum(uniform) == 12 * per_param
+    finally:
+        BackwardUpdates.tail_chunks_per_buffer = saved
