@@ -153,33 +153,29 @@ MODES = [
          note="CPUOffloadOptimizer(AdamW, fused=True): AdamW on the CPU, states on the host"),
 ]
 LINK_BYTES = 1 << 30  # pinned copies that measure the host link (bench/common.py pinned_bandwidth)
-VARIANT_HELP = ("a mode name of updates during backward may end in @cN (N chunks per device buffer), tN (N "
-                "chunks per buffer in the schedule's last buffer's worth) and/or pN (update stream priority N), "
-                "e.g. pagedopt_paged_adamw8bit_host_bwd@c4t16p0")
+VARIANT_HELP = ("a mode name may end in @cN (N chunks per device buffer) and/or pN (update stream priority N) "
+                "for updates during backward, e.g. pagedopt_paged_adamw8bit_host_bwd@c6p0")
 
 
 def resolve_mode(name: str, by_name: dict) -> Optional[Mode]:
     """The mode of ``name``: a plain mode name, or one of updates during backward with a variant of
-    its tuning (``@c6``, ``@t16``, ``@p0``, ``@c6t8p-1``: chunks per device buffer, the same in the
-    schedule's last buffer's worth, update stream priority),
+    its tuning (``@c6``, ``@p0``, ``@c6p-1``: chunks per device buffer, update stream priority),
     each run in its own process like every mode. None for an unknown name or variant."""
     base, at, variant = name.partition("@")
     mode = by_name.get(base)
     if mode is None or not at:
         return mode
-    m = re.fullmatch(r"(?:c(\d+))?(?:t(\d+))?(?:p(-?\d+))?", variant)
+    m = re.fullmatch(r"(?:c(\d+))?(?:p(-?\d+))?", variant)
     if m is None or not any(m.groups()) or "update_in_backward" not in mode.note:
         return None
-    chunks, tail, priority = (int(x) if x is not None else None for x in m.groups())
-    if (chunks is not None and chunks < 1) or (tail is not None and tail < 1):
+    chunks, priority = (int(x) if x is not None else None for x in m.groups())
+    if chunks is not None and chunks < 1:
         return None
 
     def make(params, device):
         from pagedopt.optim.backward_updates import BackwardUpdates
         if chunks is not None:
             BackwardUpdates.chunks_per_buffer = chunks
-        if tail is not None:
-            BackwardUpdates.tail_chunks_per_buffer = tail
         if priority is not None:
             BackwardUpdates.stream_priority = priority
         return mode.make(params, device)

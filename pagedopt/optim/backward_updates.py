@@ -32,7 +32,6 @@ parameters with gradients) drops the schedule, and the next ordinary step makes 
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 import weakref
 from typing import TYPE_CHECKING, Optional
 
@@ -129,7 +128,6 @@ class BackwardUpdates:
     # 55.1, 2 chunks 57.8; priority 0 instead of -1: within 1 ms either way
     stream_priority = -1
     chunks_per_buffer = 4
-    tail_chunks_per_buffer = 16  # the chunks of the schedule's last buffer's worth (see make_schedule)
 
     def __init__(self, opt: "QuantizedOptimizer"):
         self._opt = weakref.ref(opt)
@@ -234,32 +232,19 @@ class BackwardUpdates:
         seen = set(order)
         order += [pid for pid in position if pid not in seen]  # gradients not from a hook: updated in step()
         keys = opt.algorithm.state_keys + opt.algorithm.absmax_keys
-        buffer = opt._pager.device_buffer_bytes
-        limit = max(buffer // self.chunks_per_buffer, 1)
-        tail_limit = max(buffer // max(self.tail_chunks_per_buffer, self.chunks_per_buffer), 1)
+        limit = max(opt._pager.device_buffer_bytes // self.chunks_per_buffer, 1)
         # a parameter whose states exceed a chunk is cut into pieces of whole blocks, each a chunk's
         # worth (updates are elementwise within 256-element blocks), so that the largest tensors
         # (embeddings, heads) stream like the rest; not for stacked moments (AdEMAMix's state1)
         cuttable = all(spec.moments == 1 for spec in opt.algorithm.states)
-        # the last buffer's worth of each device's schedule goes in smaller chunks: the last
-        # copies in wait for the copies back of the chunks before them (the regions they reuse),
-        # so the smaller they are, the sooner the last updates run after the last gradients
-        whole, left = {}, defaultdict(int)  # state bytes per parameter; per device, of the schedule not yet placed
-        for pid in order:
-            bi, j = position[pid]
-            whole[pid] = _Piece(j, None, None, {k: v for k, v in plan.buckets[bi].states[j].items() if k in keys}).nbytes
-            left[plan.buckets[bi].device] += whole[pid]
         schedule: dict = {}
         sizes: dict = {}
         for pid in order:
             bi, j = position[pid]
             b = plan.buckets[bi]
-            in_tail = left[b.device] - whole[pid] < buffer  # it ends inside the last buffer's worth
-            left[b.device] -= whole[pid]
-            cap = tail_limit if in_tail else limit
-            for piece in _pieces(j, b.params[j], b.states[j], keys, cap, cuttable):
+            for piece in _pieces(j, b.params[j], b.states[j], keys, limit, cuttable):
                 chunks = schedule.setdefault(b.device, [])
-                if not chunks or (sizes[b.device] + piece.nbytes > cap and chunks[-1][1]):
+                if not chunks or (sizes[b.device] + piece.nbytes > limit and chunks[-1][1]):
                     chunks.append(({}, []))
                     sizes[b.device] = 0
                 parts, ids = chunks[-1]
@@ -285,8 +270,9 @@ class BackwardUpdates:
 
     def _open_passes(self, opt) -> None:
         """The coming step's pager passes: their first copies in start now."""
-        copies = self.copy_trace  # every chunk the buffer has room for is in flight
-        self._runs = {device: _Run(chunks, opt._pager.open_pass(device, self._pass_plans[device], len(chunks),
+        depth = self.chunks_per_buffer - 1
+        copies = self.copy_trace
+        self._runs = {device: _Run(chunks, opt._pager.open_pass(device, self._pass_plans[device], depth,
                                                                 trace=copies))
                       for device, chunks in self._schedule.items()}
 
