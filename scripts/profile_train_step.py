@@ -52,7 +52,50 @@ def _print_copies(t0, copies: list, updates: dict) -> None:
                   f"({_busy(ivs) / max(last - first, 1e-9) * 100:.0f}%)")
 
 
-def profile_mode(name: str, layers: int, warmup: int, profiler: bool = True) -> None:
+def _time_host_calls(steps, step) -> None:
+    """Host time of the calls updates during backward make (wall clock on the thread that runs
+    them, the autograd engine's), per step and per chunk, over ``steps`` back-to-back steps."""
+    from pagedopt import _ops
+    from pagedopt.optim import backward_updates as bu
+    from pagedopt.optim.base import QuantizedOptimizer
+    from pagedopt.paging.host_resident import StreamPass
+
+    totals, counts = {}, {}
+    targets = [(bu.BackwardUpdates, "_on_grad"), (bu.BackwardUpdates, "_update_chunk"),
+               (bu.BackwardUpdates, "_update_part"), (bu.BackwardUpdates, "finish_step"),
+               (bu.BackwardUpdates, "end_step"), (StreamPass, "take"), (StreamPass, "give_back"),
+               (QuantizedOptimizer, "_step_chunk"), (_ops, "check_grads"), (_ops, "quantized_step_")]
+    saved = []
+    for owner, attr in targets:
+        fn = getattr(owner, attr)
+        saved.append((owner, attr, fn))
+        key = f"{getattr(owner, '__name__', owner)}.{attr}"
+
+        def timed(*a, _fn=fn, _key=key, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                totals[_key] = totals.get(_key, 0.0) + time.perf_counter() - t0
+                counts[_key] = counts.get(_key, 0) + 1
+        setattr(owner, attr, timed)
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / steps
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+    print(f"   host time per step of the calls (wall clock, inclusive), {steps} steps of {wall:.2f} ms:")
+    for key in sorted(totals, key=totals.get, reverse=True):
+        print(f"     {key:40s} {totals[key] * 1e3 / steps:7.2f} ms/step  {counts[key] // steps:4d} calls/step  "
+              f"{totals[key] * 1e6 / counts[key]:7.1f} us/call")
+
+
+def profile_mode(name: str, layers: int, warmup: int, profiler: bool = True, host_times: int = 0) -> None:
     mode = {m.name: m for m in BT.MODES}[name]
     cfg = BT.ModelConfig() if layers is None else BT.ModelConfig(layers=layers)
     device = torch.device("cuda")
@@ -114,6 +157,8 @@ def profile_mode(name: str, layers: int, warmup: int, profiler: bool = True) -> 
         step()
     torch.cuda.synchronize()
     print(f"   loop: {(time.perf_counter() - start) * 200:.2f} ms per step (5 steps back to back)")
+    if host_times and bwd is not None:
+        _time_host_calls(host_times, step)
     if not profiler:
         return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -165,6 +210,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-profiler", action="store_true", help="only the unprofiled steps' marks")
+    ap.add_argument("--host-times", type=int, default=0, metavar="STEPS",
+                    help="updates during backward: host time of their calls over STEPS steps")
     ap.add_argument("--variants", default="", help="updates during backward: comma-separated "
                     "PRIORITY/CHUNKS_PER_BUFFER pairs to compare, e.g. -1/3,0/3,-1/4")
     args = ap.parse_args()
@@ -176,7 +223,7 @@ def main() -> int:
             if priority is not None:
                 BackwardUpdates.stream_priority, BackwardUpdates.chunks_per_buffer = priority, chunks
                 print(f"\n-- update stream priority {priority}, {chunks} chunks per device buffer")
-            profile_mode(name, args.layers, args.warmup, profiler=not args.no_profiler)
+            profile_mode(name, args.layers, args.warmup, profiler=not args.no_profiler, host_times=args.host_times)
             torch.cuda.empty_cache()
     return 0
 
