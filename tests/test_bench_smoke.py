@@ -272,3 +272,28 @@ def test_bench_train_records_peers_shapes():
         rec = bt.run_mode(bt.Mode("peer", make), bt.TINY, cpu, warmup=1, steps=2)
         assert _positive(rec["step_ms"]) and rec["transfer_ms"] is None
         assert (rec["state_bytes"] is not None and rec["state_bytes"] > 0) if has_states else rec["state_bytes"] is None
+
+
+def test_plot_copy_timeline_reads_the_profile_table(tmp_path):
+    """scripts/plot_copy_timeline.py: the rows and marks of profile_train_step's copy table (a
+    chunk whose copies are not in the trace keeps None), and a PNG of them."""
+    spec = importlib.util.spec_from_file_location("pagedopt_plot_timeline",
+                                                  os.path.join(ROOT, "scripts", "plot_copy_timeline.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = """== x, no profiler (median of 3, ms from the step's start): forward 16.1, backward 53.5, step 55.5; transfers 1
+   chunk   in start   in end   grads   upd start  upd end  back start  back end
+       0     -4.11     -2.87     18.32     18.33     18.54     18.54     19.91
+       1     19.91     21.14         -         -         -     22.90     24.14
+   copies in: -4.11 to 21.14 ms, busy 2.47 ms (10%)
+"""
+    marks, rows = mod.parse(text)
+    assert marks == {"forward": 16.1, "backward": 53.5, "step": 55.5}
+    assert rows == [(0, [-4.11, -2.87, 18.32, 18.33, 18.54, 18.54, 19.91]),
+                    (1, [19.91, 21.14, None, None, None, 22.90, 24.14])]
+    src = tmp_path / "profile.txt"
+    src.write_text(text)
+    if _has_matplotlib():
+        assert mod.main([str(src), str(tmp_path / "t.png")]) == 0 and (tmp_path / "t.png").stat().st_size > 0
+    src.write_text("nothing here\n")
+    assert mod.main([str(src), str(tmp_path / "u.png")]) == 1
