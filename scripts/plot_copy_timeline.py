@@ -38,7 +38,7 @@ def plot(marks: dict, rows: list, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 0.18 * len(rows) + 1.8))
+    fig, ax = plt.subplots(figsize=(10, max(0.18 * len(rows) + 1.8, 4.0)))
     colors = {"copy in": "tab:blue", "update": "tab:green", "copy back": "tab:orange"}
     for k, t in rows:
         for (lo, hi), name in (((t[0], t[1]), "copy in"), ((t[3], t[4]), "update"), ((t[5], t[6]), "copy back")):
