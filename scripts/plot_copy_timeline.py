@@ -48,7 +48,8 @@ def plot(marks: dict, rows: list, path: str) -> None:
             ax.plot([t[2]], [k], "k|", markersize=6)
     for i, (name, x) in enumerate(marks.items()):
         ax.axvline(x, color="grey", linestyle="--", linewidth=0.8)
-        ax.text(x, -1.2 - 1.2 * i, f"{name} ends", fontsize=8, ha="center", va="top")
+        ax.text(x, 1.01 + 0.035 * i, f"{name} ends", fontsize=8, ha="center", va="bottom",
+                transform=ax.get_xaxis_transform())  # x in ms, y above the axes
     ax.set_xlabel("ms from the step's start (negative: during the step before)")
     ax.set_ylabel("chunk (in gradient order)")
     ax.invert_yaxis()
