@@ -125,7 +125,9 @@ class BackwardUpdates:
     # in) and the chunk size (a quarter of the device buffer, every chunk of it in flight: the
     # pass's prefetch depth is chunks_per_buffer - 1). On the H200, 936M-parameter bench, loop ms
     # per step (scripts/profile_train_step.py --variants, 2026-12-04): 3 chunks 57.0, 4 chunks
-    # 55.1, 2 chunks 57.8; priority 0 instead of -1: within 1 ms either way
+    # 55.1, 2 chunks 57.8; priority 0 instead of -1: within 1 ms either way. Another machine, each
+    # variant in its own process (bench_train @cNpM): 3 chunks 69.9, 4 chunks 72.9 / 68.8 (priority
+    # 0), 6 chunks 80.2, 8 chunks 86.0: every chunk costs host time in the hook (bench/RESULTS.md)
     stream_priority = -1
     chunks_per_buffer = 4
 
