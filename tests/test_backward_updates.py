@@ -219,6 +219,30 @@ def test_grad_scaler_is_refused_before_anything_changes(device):
     assert not all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_grad_scaler_brought_in_after_updates_began(device):
+    """Once the schedule runs, a GradScaler's step is refused (the backward's updates keep theirs);
+    with the mode then turned off, the scaler steps on like any optimizer's from the next batch."""
+    _require(device)
+    xs = _batches(device, torch.float32, 5)
+    m = _model(device)
+    opt = _make("PagedAdamW8bit", m, True)
+    _train(m, opt, xs[:2])  # the schedule exists: the next backward updates during backward
+    scaler = torch.amp.GradScaler(device)
+    scaler.scale(m(xs[2]).square().mean()).backward()
+    with pytest.raises(RuntimeError, match="update_in_backward=True cannot run under GradScaler"):
+        scaler.step(opt)
+    opt.zero_grad()
+    opt.update_in_backward = False
+    for x in xs[3:]:
+        before = [p.detach().clone() for p in m.parameters()]
+        scaler.scale(m(x).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        assert not all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+
+
 def test_settings_that_cannot_hold_are_refused():
     m = _model("cpu")
     with pytest.raises(ValueError, match="update_in_backward=True goes with residency='host'"):

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from .. import _ops
 from .algorithm import AlgorithmSpec, StateSpec
 from .base import QuantizedOptimizer, _Bucket
 from .bucket_chunks import flat_parts, flat_runs
@@ -56,15 +55,6 @@ class AdamBase(QuantizedOptimizer):
 
     def _hold_states(self, lists: tuple, first_state: dict, eight_bit: bool):
         return super()._hold_states(lists, first_state, eight_bit) if eight_bit else None  # 32-bit: torch's lists
-
-    def _step_bucket(self, group: dict, bucket: _Bucket, params, grads, contiguous: bool, grad_scale,
-                     found_inf) -> None:
-        """8-bit states: the generic engine (the base's step); 32-bit: torch's fused Adam/AdamW."""
-        if bucket.eight_bit:
-            super()._step_bucket(group, bucket, params, grads, contiguous, grad_scale, found_inf)
-            return
-        for params, work_params, work_grads, lists in self._bucket_chunks(bucket, params, grads, contiguous):
-            self._step_chunk(group, bucket, params, work_params, work_grads, lists, grad_scale, found_inf)
 
     def _step_chunk(self, group: dict, bucket: _Bucket, params, work_params, work_grads, lists: tuple, grad_scale,
                     found_inf) -> None:

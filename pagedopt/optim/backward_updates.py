@@ -361,8 +361,12 @@ class BackwardUpdates:
         return self._schedule is not None and (self.enabled or bool(self._updated)) and self._current(opt)
 
     @staticmethod
-    def refuse_grad_scaler(opt) -> None:
-        if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+    def _under_grad_scaler(opt) -> bool:
+        return getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None
+
+    @classmethod
+    def refuse_grad_scaler(cls, opt) -> None:
+        if cls._under_grad_scaler(opt):
             raise RuntimeError(f"{type(opt).__name__}: update_in_backward=True cannot run under GradScaler (the "
                                "parameters would be updated during backward with scaled gradients, before the "
                                "scaler checks them); use bf16 autocast without a scaler, or turn the mode off")
@@ -371,10 +375,9 @@ class BackwardUpdates:
         """step() after updates in backward: the remaining chunks, then the caller's stream waits
         for them. Returns the ids of the parameters updated (step() updates any others with
         gradients the ordinary way)."""
-        if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
-            if self._updated:  # a scaler brought in after updates began: stop them
-                self.drop_schedule()
-            self.refuse_grad_scaler(opt)
+        if self._updated and self._under_grad_scaler(opt):  # a scaler brought in after updates began: stop them
+            self.drop_schedule()
+        self.refuse_grad_scaler(opt)
         try:
             for device, run in self._runs.items():
                 while run.next < len(run.chunks):

@@ -394,13 +394,14 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
 
     def _step_bucket(self, group: dict, bucket: "_Bucket", params, grads, contiguous: bool, grad_scale,
                      found_inf) -> None:
-        """One fused call of the generic engine (quantized_step_) per bucket, or per chunk of it
-        while paged states are not resident. ``params``/``grads``: the bucket's (local shards of
-        DTensor parameters)."""
+        """One fused call of the generic engine on the held states (quantized_step_list_) per
+        bucket, or ``_step_chunk`` per chunk of it: while paged states are not resident, and for
+        buckets whose states are not held (host-resident ones; Adam's 32-bit states, which torch's
+        fused kernel updates). ``params``/``grads``: the bucket's (local shards of DTensor parameters)."""
         if not bucket.stateful:
             self._step_stateless(group, params, grads, grad_scale, found_inf)
             return
-        if contiguous and (self._pager is None or self._pager.all_resident()):
+        if bucket.held is not None and contiguous and (self._pager is None or self._pager.all_resident()):
             lr = lr_tensor(group, bucket.device)
             hyper = self._engine_hyper(group if lr is None else {**group, "lr": 0.0})
             _ops.quantized_step_list_(bucket.held, params, grads, hyper, grad_scale, found_inf, lr)
