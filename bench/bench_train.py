@@ -153,22 +153,25 @@ MODES = [
          note="CPUOffloadOptimizer(AdamW, fused=True): AdamW on the CPU, states on the host"),
 ]
 LINK_BYTES = 1 << 30  # pinned copies that measure the host link (bench/common.py pinned_bandwidth)
-VARIANT_HELP = ("a mode name may end in @cN (N chunks per device buffer) and/or pN (update stream priority N) "
-                "for updates during backward, e.g. pagedopt_paged_adamw8bit_host_bwd@c6p0")
+VARIANT_HELP = ("a mode name of updates during backward may end in @cN (N chunks per device buffer), pN "
+                "(update stream priority N) and/or w (the updates on a worker thread), e.g. "
+                "pagedopt_paged_adamw8bit_host_bwd@c4p0w")
 
 
 def resolve_mode(name: str, by_name: dict) -> Optional[Mode]:
     """The mode of ``name``: a plain mode name, or one of updates during backward with a variant of
-    its tuning (``@c6``, ``@p0``, ``@c6p-1``: chunks per device buffer, update stream priority),
+    its tuning (``@c6``, ``@p0``, ``@w``, ``@c6p-1w``: chunks per device buffer, update stream
+    priority, updates on a worker thread),
     each run in its own process like every mode. None for an unknown name or variant."""
     base, at, variant = name.partition("@")
     mode = by_name.get(base)
     if mode is None or not at:
         return mode
-    m = re.fullmatch(r"(?:c(\d+))?(?:p(-?\d+))?", variant)
+    m = re.fullmatch(r"(?:c(\d+))?(?:p(-?\d+))?(w)?", variant)
     if m is None or not any(m.groups()) or "update_in_backward" not in mode.note:
         return None
-    chunks, priority = (int(x) if x is not None else None for x in m.groups())
+    chunks, priority = (int(x) if x is not None else None for x in m.groups()[:2])
+    thread = m.group(3) is not None
     if chunks is not None and chunks < 1:
         return None
 
@@ -178,6 +181,8 @@ def resolve_mode(name: str, by_name: dict) -> Optional[Mode]:
             BackwardUpdates.chunks_per_buffer = chunks
         if priority is not None:
             BackwardUpdates.stream_priority = priority
+        if thread:
+            BackwardUpdates.update_thread = True
         return mode.make(params, device)
     return dataclasses.replace(mode, name=name, make=make, note=f"{mode.note} ({variant})")
 

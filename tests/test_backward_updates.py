@@ -24,6 +24,17 @@ KiB = 1 << 10
 pytestmark = pytest.mark.filterwarnings("ignore::pagedopt.paging.PagingFallbackWarning")
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["in_hooks", "update_thread"])
+def update_thread(request):
+    """Every test twice: the chunks updated in the gradient hooks, and on the worker thread."""
+    from pagedopt.optim.backward_updates import BackwardUpdates
+
+    saved = BackwardUpdates.update_thread
+    BackwardUpdates.update_thread = request.param
+    yield request.param
+    BackwardUpdates.update_thread = saved
+
+
 class Net(nn.Module):
     """Layers of several sizes (some under min_8bit_size, so 32-bit states beside 8-bit ones) and a
     switch that leaves one layer out of the graph (its parameters then get no gradient)."""
@@ -81,11 +92,14 @@ def _steps_taken(opt, m) -> list[float]:
 
 def _train(m, opt, xs, between=None):
     """Train on xs; per step, how many parameters had been updated (their step counter moved on)
-    when backward() returned."""
+    when backward() returned (with the update thread: by the chunks handed to it during backward)."""
     changed = []
     for i, x in enumerate(xs):
         before = _steps_taken(opt, m)
         m(x).float().square().mean().backward()
+        bwd = getattr(opt, "_backward_updates", None)
+        if bwd is not None:  # the chunks handed to the update thread during backward: done before counting
+            bwd._join_worker()
         changed.append(sum(a != b for a, b in zip(before, _steps_taken(opt, m))))
         opt.step()
         opt.zero_grad()

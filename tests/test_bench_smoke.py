@@ -219,19 +219,25 @@ def test_bench_train_mode_variants():
     by_name = {m.name: m for m in bt.MODES}
     base = "pagedopt_paged_adamw8bit_host_bwd"
     assert bt.resolve_mode(base, by_name) is by_name[base]
-    for bad in (base + "@", base + "@x3", base + "@c0", base + "@c3q", "pagedopt_adamw8bit@c4", "nope@c4", "nope"):
+    for bad in (base + "@", base + "@x3", base + "@c0", base + "@c3q", base + "@wc3", base + "@ww",
+                "pagedopt_adamw8bit@c4", "nope@c4", "nope"):
         assert bt.resolve_mode(bad, by_name) is None, bad
-    saved = BackwardUpdates.chunks_per_buffer, BackwardUpdates.stream_priority
+    knobs = ("chunks_per_buffer", "stream_priority", "update_thread")
+    saved = tuple(getattr(BackwardUpdates, k) for k in knobs)
     try:
-        for name, want in ((base + "@c6p0", (6, 0)), (base + "@p1", (saved[0], 1)), (base + "@c3", (3, saved[1]))):
-            BackwardUpdates.chunks_per_buffer, BackwardUpdates.stream_priority = saved  # as in a fresh process
+        for name, want in ((base + "@c6p0", (6, 0, saved[2])), (base + "@p1", (saved[0], 1, saved[2])),
+                           (base + "@c3", (3, saved[1], saved[2])), (base + "@w", (saved[0], saved[1], True)),
+                           (base + "@c2p-1w", (2, -1, True))):
+            for k, v in zip(knobs, saved):  # as in a fresh process
+                setattr(BackwardUpdates, k, v)
             mode = bt.resolve_mode(name, by_name)
             assert mode.name == name
             opt = mode.make([torch.nn.Parameter(torch.randn(64))], torch.device("cpu"))
             assert opt.update_in_backward
-            assert (BackwardUpdates.chunks_per_buffer, BackwardUpdates.stream_priority) == want, name
+            assert tuple(getattr(BackwardUpdates, k) for k in knobs) == want, name
     finally:
-        BackwardUpdates.chunks_per_buffer, BackwardUpdates.stream_priority = saved
+        for k, v in zip(knobs, saved):
+            setattr(BackwardUpdates, k, v)
     with pytest.raises(SystemExit):  # argparse's error, naming the variant grammar
         bt.main(["--smoke", "--modes", base + "@c0"])
     # the link summary's floor: the states' bytes at the slower of the rates measured both ways at once

@@ -43,6 +43,7 @@ from ..quant import STATE_BLOCK_SIZE
 from .bucket_chunks import contiguous_views
 from .grad_checks import locate, raise_bad_grad
 from .state_table import StateTable
+from .update_worker import UpdateWorker
 
 if TYPE_CHECKING:
     from .base import QuantizedOptimizer
@@ -91,13 +92,14 @@ def _pieces(j: int, p: torch.Tensor, state: dict, keys: tuple, limit: int, cutta
 class _Run:
     """One device's chunks in one step: the pager pass that copies them in, and how far it got."""
 
-    __slots__ = ("chunks", "pass_", "waiting", "next")
+    __slots__ = ("chunks", "pass_", "waiting", "next", "queued")
 
     def __init__(self, chunks: list, pass_):
         self.chunks = chunks            # [(parts, ids)]: parts [(bucket index, positions)], ids of the params
         self.pass_ = pass_
         self.waiting = [len(ids) for _, ids in chunks]  # gradients each chunk still waits for
         self.next = 0                   # the next chunk to update
+        self.queued = 0                 # the next chunk to hand out (to the worker: it may be ahead of next)
 
 
 def refuse_unsupported(opt: "QuantizedOptimizer") -> None:
@@ -130,6 +132,9 @@ class BackwardUpdates:
     # 0), 6 chunks 80.2, 8 chunks 86.0: every chunk costs host time in the hook (bench/RESULTS.md)
     stream_priority = -1
     chunks_per_buffer = 4
+    # whether the chunks' updates run on a worker thread (update_worker.py) instead of in the hooks,
+    # on the autograd engine's thread; off until measured on a GPU (bench_train's @w variant)
+    update_thread = False
 
     def __init__(self, opt: "QuantizedOptimizer"):
         self._opt = weakref.ref(opt)
@@ -147,6 +152,7 @@ class BackwardUpdates:
         self._began = False                   # the pager was told that a step began
         self._stepped: dict = {}              # id(bucket) -> positions whose counter was incremented
         self._streams: dict = {}
+        self._worker: Optional[UpdateWorker] = None
         self._pass_plans: Optional[dict] = None  # device -> the pager's PassPlan of the schedule's chunks
         self.trace: Optional[list] = None     # a list: per chunk update, (chunk, gradients ready, update
         # started, update done) as CUDA timing events (scripts/profile_train_step.py reads it)
@@ -170,6 +176,9 @@ class BackwardUpdates:
             handle.remove()
         self._hooked.clear()
         self.drop_schedule()
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
     def _on_grad(self, p: torch.Tensor) -> None:
         opt = self._opt()
@@ -192,8 +201,8 @@ class BackwardUpdates:
         for device, k in self._chunk_of.get(pid, ()):
             run = self._runs[device]
             run.waiting[k] -= 1
-            while run.next < len(run.chunks) and run.waiting[run.next] == 0:
-                self._update_chunk(opt, device, run)
+            while run.queued < len(run.chunks) and run.waiting[run.queued] == 0:
+                self._release_chunk(opt, device, run)
 
     # ------------------------------------------------------------------ the schedule
     def _current(self, opt) -> bool:
@@ -286,10 +295,50 @@ class BackwardUpdates:
             self._streams[device] = torch.cuda.Stream(device, priority=self.stream_priority)
         return self._streams[device]
 
-    def _update_chunk(self, opt, device: torch.device, run: _Run) -> None:
-        """Update chunk ``run.next`` on the update stream (after the work queued so far), with the
-        gradients its parameters have now (those without one are left alone)."""
-        k = run.next
+    def _release_chunk(self, opt, device: torch.device, run: _Run) -> None:
+        """Chunk ``run.queued`` has all its gradients: update it now, or (``update_thread``) check
+        its gradients here, mark them ready on the current stream and queue the rest for the worker."""
+        k = run.queued
+        run.queued += 1
+        if not self.update_thread:
+            self._update_chunk(opt, device, run, k, self._plan)
+            return
+        try:
+            verdicts = self._check_chunk(opt, run, k)
+        except ValueError as exc:
+            self._bad_gradient(exc)
+        ready = None
+        if device.type == "cuda":
+            ready = torch.cuda.Event(enable_timing=self.trace is not None)
+            ready.record(torch.cuda.current_stream(device))
+        if self._worker is None:
+            self._worker = UpdateWorker()
+        self._worker.submit(self._update_chunk, opt, device, run, k, self._plan, ready, verdicts)
+
+    def _check_chunk(self, opt, run: _Run, k: int) -> list:
+        """The gradients of chunk k's parts checked (a ValueError names a bad one); their verdicts."""
+        verdicts = []
+        for bi, pieces in run.chunks[k][0]:
+            bucket = self._plan.buckets[bi]
+            params = [bucket.params[piece.j] for piece in pieces if bucket.params[piece.j].grad is not None]
+            verdict = _ops.check_grads(params, [p.grad for p in params]) if params else _ops.GRADS_CONTIGUOUS
+            if verdict >= 0:
+                raise_bad_grad(opt.param_groups, params[verdict])
+            verdicts.append(verdict)
+        return verdicts
+
+    def _bad_gradient(self, exc: ValueError):
+        """A bad gradient met during backward: the step is abandoned, the error raised."""
+        self._abandon_step()
+        raise ValueError(f"{exc} (met during backward with update_in_backward=True: the parameters "
+                         "updated earlier in this backward keep their update; call zero_grad() and go on, "
+                         "or load a checkpoint)") from None
+
+    def _update_chunk(self, opt, device: torch.device, run: _Run, k: int, plan, ready=None,
+                      verdicts: Optional[list] = None) -> None:
+        """Update chunk k (``run.next``) on the update stream, after the work queued so far (or,
+        from the worker, after ``ready``), with the gradients its parameters have now (those
+        without one are left alone); ``verdicts``: its parts' gradients, already checked."""
         parts, _ = run.chunks[k]
         if not self._began:
             self._began = True
@@ -298,44 +347,58 @@ class BackwardUpdates:
         marks = None
         if stream is not None:
             if self.trace is not None:
-                marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                marks[0].record(torch.cuda.current_stream(device))
-                self.trace.append((k, *marks))
-            stream.wait_stream(torch.cuda.current_stream(device))
+                marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                if ready is None:
+                    ready = torch.cuda.Event(enable_timing=True)
+                    ready.record(torch.cuda.current_stream(device))
+                self.trace.append((k, ready, *marks))
+            if ready is None:
+                stream.wait_stream(torch.cuda.current_stream(device))
+            else:
+                stream.wait_event(ready)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             views = run.pass_.take(k)
             if marks is not None:
-                marks[1].record(stream)
+                marks[0].record(stream)
             view_of = {id(t): v for t, v in zip(run.pass_.groups[k], views)}
             try:
-                for bi, positions in parts:
-                    self._update_part(opt, self._plan.buckets[bi], positions, view_of)
-            except ValueError as exc:  # a bad gradient: the step is abandoned
-                self._abandon_step()
-                raise ValueError(f"{exc} (met during backward with update_in_backward=True: the parameters "
-                                 "updated earlier in this backward keep their update; call zero_grad() and go on, "
-                                 "or load a checkpoint)") from None
+                for i, (bi, positions) in enumerate(parts):
+                    self._update_part(opt, plan.buckets[bi], positions, view_of,
+                                      None if verdicts is None else verdicts[i])
+            except ValueError as exc:  # a bad gradient (checked here when not by the hook): the step is abandoned
+                if verdicts is not None:
+                    raise
+                self._bad_gradient(exc)
             finally:
                 if marks is not None:
-                    marks[2].record(stream)
+                    marks[1].record(stream)
                 run.pass_.give_back(k)  # what was updated goes back; the rest goes back unchanged
                 run.next += 1
 
-    def _abandon_step(self) -> None:
-        self.wait_for_updates()
-        self.drop_schedule()
-        self._arrived, self._arrived_set = [], set()
-        self._reset_step()
+    def _join_worker(self) -> None:
+        """Wait for the chunks queued for the worker (raising the error one of them met, if any)."""
+        if self._worker is not None:
+            self._worker.join()
 
-    def _update_part(self, opt, bucket, pieces: list, view_of: dict) -> None:
+    def _abandon_step(self) -> None:
+        try:
+            self._join_worker()
+        finally:
+            self.wait_for_updates()
+            self.drop_schedule()
+            self._arrived, self._arrived_set = [], set()
+            self._reset_step()
+
+    def _update_part(self, opt, bucket, pieces: list, view_of: dict, verdict: Optional[int] = None) -> None:
         pieces = [piece for piece in pieces if bucket.params[piece.j].grad is not None]
         if not pieces:
             return
         params = [bucket.params[piece.j] for piece in pieces]
         grads = [p.grad for p in params]
-        verdict = _ops.check_grads(params, grads)
-        if verdict >= 0:
-            raise_bad_grad(opt.param_groups, params[verdict])
+        if verdict is None:  # not checked by the hook
+            verdict = _ops.check_grads(params, grads)
+            if verdict >= 0:
+                raise_bad_grad(opt.param_groups, params[verdict])
         if any(piece.start is not None for piece in pieces):  # flat ranges of whole blocks
             params = [p if piece.start is None else p.view(-1)[piece.start:piece.end] for p, piece in zip(params, pieces)]
             grads = [g if piece.start is None else g.reshape(-1)[piece.start:piece.end]
@@ -379,9 +442,15 @@ class BackwardUpdates:
             self.drop_schedule()
         self.refuse_grad_scaler(opt)
         try:
+            self._join_worker()  # the chunks the hooks queued, in order, before the ones left
             for device, run in self._runs.items():
-                while run.next < len(run.chunks):
-                    self._update_chunk(opt, device, run)
+                while run.queued < len(run.chunks):
+                    k = run.queued
+                    run.queued += 1
+                    self._update_chunk(opt, device, run, k, self._plan)
+        except BaseException:
+            self.drop_schedule()  # an error in the middle of the chunks: the next step is an ordinary one
+            raise
         finally:
             self.wait_for_updates()
         return self._updated
