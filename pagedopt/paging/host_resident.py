@@ -85,11 +85,22 @@ class _Layout:
     """A group's place in a region: each tensor's offset, the region's size, and its copies: runs
     of (a tensor of the run, its storage's first and end byte, offset in the region); the device
     views of a region, made once per place in a buffer (``views``)."""
-    __slots__ = ("offsets", "size", "runs", "likes", "_views")
+    __slots__ = ("offsets", "size", "runs", "likes", "_views", "_pairs")
 
     def __init__(self, offsets: list[int], size: int, runs: list, likes: list):
         self.offsets, self.size, self.runs, self.likes = offsets, size, runs, likes
         self._views: dict = {}
+        self._pairs: dict = {}
+
+    def copy_pairs(self, buf: torch.Tensor, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device bytes, host bytes) of each run, for the region at ``start`` of ``buf``: the
+        copies in and back, made once per place like the views."""
+        key = (buf.data_ptr(), start)
+        pairs = self._pairs.get(key)
+        if pairs is None:
+            pairs = self._pairs[key] = [(buf[start + off:start + off + last - first], self.host_bytes(t, first, last))
+                                        for t, first, last, off in self.runs]
+        return pairs
 
     def views(self, buf: torch.Tensor, start: int) -> list[torch.Tensor]:
         """The group's tensors as views of ``buf`` in the region at ``start`` (a pass that runs
@@ -405,9 +416,8 @@ class StreamPass:
                 self._returning.remove(r)
         marks = self._marks(k, "in", self._copy_in)
         with self._be.use_stream(self._copy_in):
-            for t, first, last, off in layout.runs:
-                self._buf[start + off:start + off + last - first].copy_(layout.host_bytes(t, first, last),
-                                                                        non_blocking=True)
+            for dev, host in layout.copy_pairs(self._buf, start):
+                dev.copy_(host, non_blocking=True)
         if marks is not None:  # before the ready event: whoever waits for that has this one behind it
             marks.record(self._copy_in)
         ev = self._be.new_event()
@@ -461,9 +471,8 @@ class StreamPass:
         layout = self.layouts[i]
         marks = self._marks(i, "back", self._copy_back)
         with be.use_stream(self._copy_back):
-            for t, first, last, off in layout.runs:
-                layout.host_bytes(t, first, last).copy_(self._buf[region.start + off:region.start + off + last - first],
-                                                        non_blocking=True)
+            for dev, host in layout.copy_pairs(self._buf, region.start):
+                host.copy_(dev, non_blocking=True)
         pager._moved_out += sum(nbytes for _, _, nbytes in layout.likes)
         last = region.copied_back = be.new_event()
         last.record(self._copy_back)
