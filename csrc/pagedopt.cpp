@@ -76,6 +76,9 @@ TORCH_LIBRARY(pagedopt, m) {
   // exact-size page-locked host memory for the host copies of paged-out or host-resident states.
   m.def("discard_(Tensor(a!) t, Device? to) -> ()");
   m.def("pinned_empty(int[] size, ScalarType dtype) -> Tensor");
+  // dst[i] <- src[i] byte for byte (contiguous pairs of equal size, CPU or one CUDA device; GPU copies
+  // queued on the current stream): a host-resident group's runs in one call.
+  m.def("copy_bytes_(Tensor(a!)[] dst, Tensor[] src) -> ()");
 }
 
 // The optimizer steps and the gradient check have no backward: their Autograd key falls through to
@@ -84,7 +87,7 @@ TORCH_LIBRARY(pagedopt, m) {
 // their four states a step's lists hold 10000 tensors, about 1-2 ms of host time).
 TORCH_LIBRARY_IMPL(pagedopt, Autograd, m) {
   for (const char* op : {"quantized_step_", "quantized_step_list_", "quantized_update_norm_", "adam8bit_step_",
-                         "check_grads"}) {
+                         "check_grads", "copy_bytes_"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

@@ -134,6 +134,11 @@ def _discard_fake(t, to):
     return None
 
 
+@torch.library.register_fake("pagedopt::copy_bytes_")
+def _copy_bytes_fake(dst, src):
+    return None
+
+
 @torch.library.register_fake("pagedopt::pinned_empty")
 def _pinned_empty_fake(size, dtype):
     return torch.empty(size, dtype=dtype, device="cpu")

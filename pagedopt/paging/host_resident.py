@@ -35,6 +35,23 @@ DEFAULT_DEVICE_BUFFER = 256 << 20
 HOST_SLAB_BYTES = 64 << 20
 
 
+_COPY_BYTES: list = []  # [the copy_bytes_ op, or None where this build has no kernel for it], once looked up
+
+
+def _copy_bytes(dst: list, src: list) -> None:
+    """dst[i] <- src[i] for a group's runs: one ``copy_bytes_`` call where the extension has it (its
+    CUDA builds), else one ``copy_`` per run (GPU copies queued on the current stream either way)."""
+    if not _COPY_BYTES:
+        has = torch._C._dispatch_has_kernel_for_dispatch_key("pagedopt::copy_bytes_", "CompositeExplicitAutograd")
+        _COPY_BYTES.append(torch.ops.pagedopt.copy_bytes_ if has else None)
+    op = _COPY_BYTES[0]
+    if op is not None:
+        op(dst, src)
+        return
+    for d, s in zip(dst, src):
+        d.copy_(s, non_blocking=True)
+
+
 def _aligned(n: int) -> int:
     return (n + REGION_ALIGN - 1) // REGION_ALIGN * REGION_ALIGN
 
@@ -85,12 +102,13 @@ class _Layout:
     """A group's place in a region: each tensor's offset, the region's size, and its copies: runs
     of (a tensor of the run, its storage's first and end byte, offset in the region); the device
     views of a region, made once per place in a buffer (``views``)."""
-    __slots__ = ("offsets", "size", "runs", "likes", "_views", "_pairs")
+    __slots__ = ("offsets", "size", "runs", "likes", "_views", "_pairs", "_lists")
 
     def __init__(self, offsets: list[int], size: int, runs: list, likes: list):
         self.offsets, self.size, self.runs, self.likes = offsets, size, runs, likes
         self._views: dict = {}
         self._pairs: dict = {}
+        self._lists: dict = {}
 
     def copy_pairs(self, buf: torch.Tensor, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(device bytes, host bytes) of each run, for the region at ``start`` of ``buf``: the
@@ -101,6 +119,15 @@ class _Layout:
             pairs = self._pairs[key] = [(buf[start + off:start + off + last - first], self.host_bytes(t, first, last))
                                         for t, first, last, off in self.runs]
         return pairs
+
+    def copy_lists(self, buf: torch.Tensor, start: int) -> tuple[list, list]:
+        """``copy_pairs`` as two lists (device bytes, host bytes), for one ``copy_bytes_`` call."""
+        key = (buf.data_ptr(), start)
+        lists = self._lists.get(key)
+        if lists is None:
+            pairs = self.copy_pairs(buf, start)
+            lists = self._lists[key] = ([d for d, _ in pairs], [h for _, h in pairs])
+        return lists
 
     def views(self, buf: torch.Tensor, start: int) -> list[torch.Tensor]:
         """The group's tensors as views of ``buf`` in the region at ``start`` (a pass that runs
@@ -416,8 +443,8 @@ class StreamPass:
                 self._returning.remove(r)
         marks = self._marks(k, "in", self._copy_in)
         with self._be.use_stream(self._copy_in):
-            for dev, host in layout.copy_pairs(self._buf, start):
-                dev.copy_(host, non_blocking=True)
+            devs, hosts = layout.copy_lists(self._buf, start)
+            _copy_bytes(devs, hosts)
         if marks is not None:  # before the ready event: whoever waits for that has this one behind it
             marks.record(self._copy_in)
         ev = self._be.new_event()
@@ -471,8 +498,8 @@ class StreamPass:
         layout = self.layouts[i]
         marks = self._marks(i, "back", self._copy_back)
         with be.use_stream(self._copy_back):
-            for dev, host in layout.copy_pairs(self._buf, region.start):
-                host.copy_(dev, non_blocking=True)
+            devs, hosts = layout.copy_lists(self._buf, region.start)
+            _copy_bytes(hosts, devs)
         pager._moved_out += sum(nbytes for _, _, nbytes in layout.likes)
         last = region.copied_back = be.new_event()
         last.record(self._copy_back)
