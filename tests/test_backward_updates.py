@@ -374,3 +374,27 @@ def test_cuda_compiled_model_and_the_memory_it_holds():
     n = len(list(runs[1][0].parameters()))
     assert runs[1][2] == [n] * 3 and runs[0][2] == [0] * 3
     assert runs[1][3] <= runs[0][3] + (1 << 20), (runs[1][3], runs[0][3])
+
+
+def test_a_dropped_optimizer_is_freed_with_its_hooks_and_worker(update_thread):
+    """An optimizer updating in backward (on the update thread or not) is freed once the user drops
+    it; its worker thread ends; the model trains on with a new optimizer."""
+    import gc
+    import weakref
+
+    m = _model("cpu")
+    xs = _batches("cpu", torch.float32, 4)
+    opt = _make("PagedAdamW8bit", m, True)
+    _train(m, opt, xs[:3])
+    worker = opt._backward_updates._worker
+    thread = worker._thread if worker is not None else None
+    assert (thread is not None) == update_thread
+    ref = weakref.ref(opt)
+    del opt, worker
+    gc.collect()
+    assert ref() is None
+    if thread is not None:
+        thread.join(5)
+        assert not thread.is_alive()
+    fresh = _make("PagedAdamW8bit", m, True)
+    _train(m, fresh, xs[3:])  # the old hooks are inert: one step, no error

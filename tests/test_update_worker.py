@@ -90,3 +90,22 @@ print("exiting")
                               timeout=120)
         assert proc.returncode == 0 and "exiting" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
         assert "terminate" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_an_idle_worker_holds_nothing_its_calls_referred_to():
+    """After a call, the thread keeps no reference to its arguments (an optimizer whose chunks it
+    updated can be freed, and with it the worker and its thread)."""
+    import weakref
+
+    class Payload:
+        pass
+
+    w = UpdateWorker()
+    p = Payload()
+    ref = weakref.ref(p)
+    w.submit(lambda x: None, p)
+    w.join()
+    del p
+    gc.collect()
+    assert ref() is None
+    w.close()

@@ -104,6 +104,6 @@ def _serve(ref: "weakref.ref[UpdateWorker]", q: queue.SimpleQueue) -> None:
             if worker is None:
                 return
             worker._run_one(*item)
-            del worker
+            del worker, item  # while idle, hold nothing the calls referred to (their optimizer may go)
     finally:
         _RUNNING.pop(threading.current_thread(), None)
