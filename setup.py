@@ -87,7 +87,8 @@ def _want_cuda():
 def build_extension():
     with_cuda, cuda_home = _want_cuda()
     include_dirs = [str(ROOT / "csrc" / "include")]
-    sources = ["csrc/pagedopt.cpp", "csrc/check_grads.cpp", "csrc/quantized_state_list.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    sources = ["csrc/pagedopt.cpp", "csrc/check_grads.cpp", "csrc/copy_bytes.cpp",
+               "csrc/quantized_state_list.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
     cxx = ["-O3", "-fopenmp"]
     nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
     define_macros = []

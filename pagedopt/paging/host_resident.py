@@ -39,8 +39,9 @@ _COPY_BYTES: list = []  # [the copy_bytes_ op, or None where this build has no k
 
 
 def _copy_bytes(dst: list, src: list) -> None:
-    """dst[i] <- src[i] for a group's runs: one ``copy_bytes_`` call where the extension has it (its
-    CUDA builds), else one ``copy_`` per run (GPU copies queued on the current stream either way)."""
+    """dst[i] <- src[i] for a group's runs: one ``copy_bytes_`` call (csrc/copy_bytes.cpp), or one
+    ``copy_`` per run with an extension built before it (GPU copies queued on the current stream
+    either way)."""
     if not _COPY_BYTES:
         has = torch._C._dispatch_has_kernel_for_dispatch_key("pagedopt::copy_bytes_", "CompositeExplicitAutograd")
         _COPY_BYTES.append(torch.ops.pagedopt.copy_bytes_ if has else None)

@@ -1,20 +1,21 @@
 // copy_bytes_: many byte copies in one call, for the host-resident pager's runs (one call per group
 // instead of one torch copy_ per run: each copy_ costs tens of microseconds of host time in
 // dispatch, TensorIterator set-up and the pinned-memory checks, and a chunk of updates during
-// backward moves several runs in and back). Compiled only in CUDA builds.
-#ifdef PAGEDOPT_WITH_CUDA
-
+// backward moves several runs in and back). Every build has it; CUDA builds copy to and from the GPU.
 #include <ATen/ATen.h>
+#include <torch/library.h>
+
+#ifdef PAGEDOPT_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
-#include <torch/library.h>
+#endif
 
 #include <cstring>
 #include <optional>
 
-namespace pagedopt::paging {
+namespace pagedopt {
 
 // dst[i] <- src[i], byte for byte, for every i. Each pair is contiguous and of the same number of
 // bytes (dtypes and shapes may differ); every tensor is on the CPU or on one CUDA device. Copies
@@ -48,19 +49,21 @@ void copy_bytes_(at::TensorList dst, at::TensorList src) {
     }
     return;
   }
+#ifdef PAGEDOPT_WITH_CUDA
   const c10::cuda::CUDAGuard guard(*cuda);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   for (size_t i = 0; i < dst.size(); ++i) {
     const size_t n = dst[i].nbytes();
     if (n > 0) C10_CUDA_CHECK(cudaMemcpyAsync(dst[i].data_ptr(), src[i].data_ptr(), n, cudaMemcpyDefault, stream));
   }
+#else
+  TORCH_CHECK(false, "copy_bytes_: this build of pagedopt has no CUDA support (a ", *cuda, " tensor)");
+#endif
 }
 
-}  // namespace pagedopt::paging
+}  // namespace pagedopt
 
 // The lists may mix CPU and CUDA tensors: one kernel for every backend key.
 TORCH_LIBRARY_IMPL(pagedopt, CompositeExplicitAutograd, m) {
-  m.impl("copy_bytes_", &pagedopt::paging::copy_bytes_);
+  m.impl("copy_bytes_", &pagedopt::copy_bytes_);
 }
-
-#endif  // PAGEDOPT_WITH_CUDA
