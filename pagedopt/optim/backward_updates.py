@@ -438,9 +438,11 @@ class BackwardUpdates:
         """step() after updates in backward: the remaining chunks, then the caller's stream waits
         for them. Returns the ids of the parameters updated (step() updates any others with
         gradients the ordinary way)."""
-        if self._updated and self._under_grad_scaler(opt):  # a scaler brought in after updates began: stop them
-            self.drop_schedule()
-        self.refuse_grad_scaler(opt)
+        if self._under_grad_scaler(opt):  # a scaler brought in after updates began: stop them
+            self._join_worker()  # (the queued chunks first: they are the backward's updates)
+            if self._updated:
+                self.drop_schedule()
+            self.refuse_grad_scaler(opt)
         try:
             self._join_worker()  # the chunks the hooks queued, in order, before the ones left
             for device, run in self._runs.items():
