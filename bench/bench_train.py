@@ -299,20 +299,44 @@ def run_child(argv_base: list[str], name: str, out_path: str, timeout_s: float) 
         return json.load(f)
 
 
+def merge_rounds(recs: list[dict]) -> dict:
+    """One record of a mode run in several rounds (each its own process): the median over rounds of
+    the step and loop times, every round's pair kept (``rounds``), memory peaks the largest seen."""
+    done = [r for r in recs if "step_ms" in r]
+    if not done:
+        return recs[0]
+    out = dict(done[0])
+    out["rounds"] = [{"step_ms": r["step_ms"], "loop_step_ms": r.get("loop_step_ms")} for r in done]
+    out["step_ms"] = statistics.median(r["step_ms"] for r in done)
+    loops = [r["loop_step_ms"] for r in done if r.get("loop_step_ms") is not None]
+    out["loop_step_ms"] = statistics.median(loops) if loops else None
+    for k in ("max_memory_allocated", "device_used_peak", "device_used_after_backward", "device_used_after_step"):
+        seen = [r[k] for r in done if r.get(k) is not None]
+        out[k] = max(seen) if seen else None
+    if len(done) < len(recs):
+        out["skipped_rounds"] = [r.get("skipped") for r in recs if "step_ms" not in r]
+    return out
+
+
+def loop_range(r: dict) -> Optional[str]:
+    loops = [x["loop_step_ms"] for x in r.get("rounds", []) if x.get("loop_step_ms") is not None]
+    return f"{min(loops):.1f}-{max(loops):.1f}" if len(loops) > 1 else None
+
+
 def result_table(records: list[dict]) -> str:
     gib = float(1 << 30)
     ref = next((r["step_ms"] for r in records if r.get("mode") == "pagedopt_adamw8bit" and "step_ms" in r), None)
     rows = []
     for r in records:
         if "skipped" in r:
-            rows.append([r["mode"], None, None, None, None, None, None, None, "skipped: " + r["skipped"]])
+            rows.append([r["mode"], None, None, None, None, None, None, None, None, "skipped: " + r["skipped"]])
             continue
         in_gib = [r.get(k) / gib if r.get(k) is not None else None
                   for k in ("max_memory_allocated", "device_used_peak", "device_used_after_backward", "device_used_after_step")]
-        rows.append([r["mode"], r["step_ms"], r["step_ms"] / ref if ref else None, r.get("loop_step_ms"), *in_gib,
-                     r.get("note", "")])
-    return C.table(rows, ["mode", "step ms", "x adamw8bit", "loop ms", "max alloc GiB", "device used GiB",
-                          "after bwd GiB", "after step GiB", "note"])
+        rows.append([r["mode"], r["step_ms"], r["step_ms"] / ref if ref else None, r.get("loop_step_ms"),
+                     loop_range(r), *in_gib, r.get("note", "")])
+    return C.table(rows, ["mode", "step ms", "x adamw8bit", "loop ms", "loop ms, rounds", "max alloc GiB",
+                          "device used GiB", "after bwd GiB", "after step GiB", "note"])
 
 
 def link_summary(link: dict, records: list[dict]) -> str:
@@ -367,6 +391,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mode's process")
+    ap.add_argument("--rounds", type=int, default=1, help="run the modes this many times, interleaved (each "
+                    "run its own process); each mode's figures are the medians over rounds, with the range")
     ap.add_argument("--out", default=None, help="folder for train.json (and train.png)")
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)      # child: run this mode only
     ap.add_argument("--mode-out", default=None, help=argparse.SUPPRESS)  # child: its record
@@ -398,15 +424,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     child_argv = ["--device", str(device), "--warmup", str(args.warmup), "--steps", str(args.steps),
                   "--layers", str(cfg.layers), "--batch", str(cfg.batch)] + (["--smoke"] if args.smoke else [])
-    records = []
     # the host link, before and after the modes (the host-resident modes' floor moves with it, and
     # it differs from one machine to the next): pinned copies, each way and both ways at once
     link = {"before": C.pinned_bandwidth(device, LINK_BYTES)} if C.is_cuda(device) else None
-    for name in names:
-        print(f"[bench_train] {name} ...", flush=True)
-        rec = run_child(child_argv, name, os.path.join(out_dir, f"mode_{name}.json"), args.timeout)
-        records.append(rec)
-        print("   ", rec.get("skipped") or f"{rec['step_ms']:.1f} ms", flush=True)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    by_round = {name: [] for name in names}
+    for k in range(args.rounds):  # interleaved: a machine's drift during the run touches every mode alike
+        for name in names:
+            print(f"[bench_train] {name}" + (f" (round {k + 1})" if args.rounds > 1 else "") + " ...", flush=True)
+            suffix = f"_r{k + 1}" if args.rounds > 1 else ""
+            rec = run_child(child_argv, name, os.path.join(out_dir, f"mode_{name}{suffix}.json"), args.timeout)
+            by_round[name].append(rec)
+            print("   ", rec.get("skipped") or f"{rec['step_ms']:.1f} ms, loop {rec['loop_step_ms']:.1f} ms", flush=True)
+    records = [by_round[name][0] if args.rounds == 1 else merge_rounds(by_round[name]) for name in names]
     if link is not None:
         link["after"] = C.pinned_bandwidth(device, LINK_BYTES)
     doc = {"env": C.env_info(device), "config": dataclasses.asdict(cfg), "params": param_count(cfg),

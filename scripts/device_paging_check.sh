@@ -50,7 +50,7 @@ if [ "${STEP_S:-150}" != 0 ]; then
 fi
 if [ "${TRAIN_S:-200}" != 0 ]; then
   log "bench_train"
-  timeout "${TRAIN_S:-200}" python3 bench/bench_train.py --warmup 2 --steps "${TRAIN_STEPS:-6}" --out /tmp/train_out --modes \
+  timeout "${TRAIN_S:-200}" python3 bench/bench_train.py --warmup 2 --steps "${TRAIN_STEPS:-6}" --rounds "${TRAIN_ROUNDS:-1}" --out /tmp/train_out --modes \
     "${TRAIN_MODES:-pagedopt_adamw8bit,pagedopt_paged_adamw8bit,pagedopt_paged_adamw8bit_pageout,pagedopt_paged_adamw8bit_host,pagedopt_paged_adamw8bit_host_bwd,torch_adamw_fused}" \
     > "$OUT/bench_train.log" 2>&1
   log "bench_train rc=$?"; tail -n 12 "$OUT/bench_train.log"; cp /tmp/train_out/train.json /tmp/train_out/train.png "$OUT"/ 2>/dev/null

@@ -398,3 +398,26 @@ def test_a_dropped_optimizer_is_freed_with_its_hooks_and_worker(update_thread):
         assert not thread.is_alive()
     fresh = _make("PagedAdamW8bit", m, True)
     _train(m, fresh, xs[3:])  # the old hooks are inert: one step, no error
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_new_optimizer_takes_the_parameters_over_from_a_live_one(device):
+    """Two live optimizers on the same parameters, both with update_in_backward (the old one still
+    referenced when a new one is made, as when a notebook cell runs again): the new one takes the
+    hooks over with a warning naming a parameter, so every backward updates each parameter once,
+    bit for bit as if the old optimizer did not exist; the old one's states stay as they were."""
+    m = _model(device)
+    xs = _batches(device, torch.float32, 5)
+    old = _make("PagedAdamW8bit", m, True)
+    _train(m, old, xs[:2])
+    old_steps = _steps_taken(old, m)
+    twin = copy.deepcopy(m)  # the reference: the same weights, no old optimizer hooked on them
+    with pytest.warns(UserWarning, match=r"param_groups\[0\]\['params'\]\[0\].*and 9 more.*another live optimizer"):
+        new = _make("PagedAdamW8bit", m, True)
+    ref = _make("PagedAdamW8bit", twin, True)
+    _train(m, new, xs[2:])
+    _train(twin, ref, xs[2:])
+    for p, q in zip(m.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    assert _steps_taken(old, m) == old_steps  # the old one did not update during these backwards
+    assert _steps_taken(new, m) == [3.0] * len(old_steps)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import statistics
 import os
 import subprocess
 import sys
@@ -303,3 +304,34 @@ def test_plot_copy_timeline_reads_the_profile_table(tmp_path):
         assert mod.main([str(src), str(tmp_path / "t.png")]) == 0 and (tmp_path / "t.png").stat().st_size > 0
     src.write_text("nothing here\n")
     assert mod.main([str(src), str(tmp_path / "u.png")]) == 1
+
+
+def test_bench_train_rounds(tmp_path):
+    """--rounds N: every mode runs N times, interleaved, each run its own process; its record holds
+    the median over rounds of the step and loop times, every round's pair and the largest memory peak."""
+    sys.path.insert(0, BENCH)
+    try:
+        spec = importlib.util.spec_from_file_location("pagedopt_bench_train3", os.path.join(BENCH, "bench_train.py"))
+        bt = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bt)
+    finally:
+        sys.path.remove(BENCH)
+    recs = [{"mode": "m", "step_ms": s, "loop_step_ms": l, "device_used_peak": d, "note": "n"}
+            for s, l, d in ((5.0, 9.0, 3), (1.0, 2.0, 7), (3.0, 4.0, 5))] + [{"mode": "m", "skipped": "boom"}]
+    merged = bt.merge_rounds(recs)
+    assert merged["step_ms"] == 3.0 and merged["loop_step_ms"] == 4.0 and merged["device_used_peak"] == 7
+    assert [r["step_ms"] for r in merged["rounds"]] == [5.0, 1.0, 3.0] and merged["skipped_rounds"] == ["boom"]
+    assert bt.loop_range(merged) == "2.0-9.0" and bt.loop_range(recs[0]) is None
+    assert bt.merge_rounds([{"mode": "m", "skipped": "x"}]) == {"mode": "m", "skipped": "x"}
+    with pytest.raises(SystemExit):
+        bt.main(["--smoke", "--modes", "pagedopt_adamw8bit", "--rounds", "0", "--out", str(tmp_path)])
+    _run([os.path.join(BENCH, "bench_train.py"), "--smoke", "--modes", "pagedopt_adamw8bit,torch_adamw_fused",
+          "--rounds", "2", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "train.json").read_text())
+    assert [r["mode"] for r in doc["records"]] == ["pagedopt_adamw8bit", "torch_adamw_fused"]
+    for r in doc["records"]:
+        assert len(r["rounds"]) == 2 and all(_positive(x["step_ms"]) for x in r["rounds"])
+        assert r["step_ms"] == statistics.median(x["step_ms"] for x in r["rounds"])
+    assert sorted(p.name for p in tmp_path.glob("mode_*_r*.json")) == [
+        "mode_pagedopt_adamw8bit_r1.json", "mode_pagedopt_adamw8bit_r2.json",
+        "mode_torch_adamw_fused_r1.json", "mode_torch_adamw_fused_r2.json"]

@@ -394,3 +394,50 @@ def test_a_pass_on_the_cpu_ignores_a_copy_trace():
     p.take(0)[0].add_(1)
     p.give_back(0)
     assert trace == [] and torch.equal(t, torch.ones(8))
+
+
+def test_host_slabs_start_small_and_double_up_to_their_size():
+    """Small host tensors are carved from slabs that start at FIRST_HOST_SLAB_BYTES and double, up to
+    host_slab_bytes: a tiny optimizer pins one small slab, not a whole 64 MiB one; tensors over a
+    quarter of host_slab_bytes get storages of their own; carved tensors lie one after the other."""
+    from pagedopt.paging.host_resident import FIRST_HOST_SLAB_BYTES, HOST_SLAB_BYTES, _aligned
+
+    pager = HostResidentPager(1 << 20)
+    assert pager.host_slab_bytes == HOST_SLAB_BYTES
+    pager.host_slab_bytes = 16 * FIRST_HOST_SLAB_BYTES
+    quarter = FIRST_HOST_SLAB_BYTES // 4  # bytes: four of these fill the first slab exactly
+    ts = [pager.zeros((quarter,), torch.uint8, "cpu") for _ in range(4)]
+    slabs = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}
+    assert list(slabs.values()) == [FIRST_HOST_SLAB_BYTES]
+    assert [t.data_ptr() - ts[0].data_ptr() for t in ts] == [i * quarter for i in range(4)]
+    sizes = []
+    for _ in range(40):  # 40 quarters of the first slab more: slabs of 2, 4, then 8 (half used)
+        t = pager.zeros((quarter,), torch.uint8, "cpu")
+        if t.untyped_storage().data_ptr() not in slabs:
+            slabs[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            sizes.append(t.untyped_storage().nbytes() // FIRST_HOST_SLAB_BYTES)
+    assert sizes == [2, 4, 8]
+    big = pager.zeros((4 * FIRST_HOST_SLAB_BYTES + 1,), torch.uint8, "cpu")  # over a quarter of 16: its own
+    assert big.untyped_storage().nbytes() == 4 * FIRST_HOST_SLAB_BYTES + 1
+    for _ in range(30):  # slabs never grow past host_slab_bytes
+        t = pager.zeros((3 * FIRST_HOST_SLAB_BYTES,), torch.uint8, "cpu")
+        assert t.untyped_storage().nbytes() <= pager.host_slab_bytes
+    assert max(s.untyped_storage().nbytes() for s in [t]) == pager.host_slab_bytes
+    odd = pager.zeros((3,), torch.float64, "cpu")  # aligned carving: the next tensor starts on REGION_ALIGN
+    nxt = pager.zeros((1,), torch.float64, "cpu")
+    assert nxt.data_ptr() - odd.data_ptr() == _aligned(24)
+
+
+def test_a_tiny_host_resident_optimizer_pins_one_small_slab():
+    from pagedopt.paging.host_resident import FIRST_HOST_SLAB_BYTES
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(64, 64)
+    opt = pagedopt.PagedAdamW8bit(m.parameters(), lr=1e-3, min_8bit_size=1024)
+    opt.set_pager(residency="host")
+    m(torch.randn(4, 64)).square().mean().backward()
+    opt.step()
+    made = opt._pager.tensors()  # the host tensors the pager made: the states it streams
+    assert len(made) >= 4  # the weight's two moments and absmaxes at least
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in made}
+    assert sum(storages.values()) == FIRST_HOST_SLAB_BYTES, storages  # 64x64 weight: far less than 1 MiB

@@ -32,10 +32,12 @@ parameters with gradients) drops the schedule, and the next ordinary step makes 
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _ops
 from ..paging.host_resident import _aligned
@@ -119,6 +121,13 @@ def refuse_unsupported(opt: "QuantizedOptimizer") -> None:
                          "(DDP all-reduces gradients after the hooks that would update them)")
 
 
+# parameter -> weakref of the BackwardUpdates whose hook updates it during backward. Two live
+# optimizers hooked on the same parameter would both update it in every backward (an old optimizer
+# still referenced when its replacement is made, as when a notebook cell runs again): the newest
+# one takes the parameter over, with a warning, and the other updates it only in its own step()
+_OWNERS = WeakIdKeyDictionary()
+
+
 class BackwardUpdates:
     """The hooks, the schedule and the per-step progress of updates during backward (see the module)."""
 
@@ -167,13 +176,43 @@ class BackwardUpdates:
             if me is not None:
                 me._on_grad(p)
 
+        taken = []
         for p in params:
             if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in self._hooked:
+                owner = _OWNERS.get(p)
+                other = owner() if owner is not None else None
+                if other is not None and other is not self and other._unhook(p):
+                    taken.append((p, other))
                 self._hooked[id(p)] = p.register_post_accumulate_grad_hook(on_grad)
+                _OWNERS[p] = ref
+        if taken:
+            self._warn_taken(taken)
+
+    def _unhook(self, p: torch.Tensor) -> bool:
+        """Stop updating ``p`` during backward; whether it was hooked here by a live optimizer."""
+        handle = self._hooked.pop(id(p), None)
+        if handle is None:
+            return False
+        handle.remove()
+        return self._opt() is not None
+
+    def _warn_taken(self, taken: list) -> None:
+        opt = self._opt()
+        p, other = taken[0]
+        other_opt = other._opt()
+        warnings.warn(f"{type(opt).__name__}: {locate(opt.param_groups, p)}"
+                      + (f" and {len(taken) - 1} more parameters were" if len(taken) > 1 else " was")
+                      + f" updated during backward by another live optimizer ({type(other_opt).__name__} at "
+                      f"{id(other_opt):#x}); this one updates them during backward now, the other one only in "
+                      "its own step() (drop every reference to it, or turn its update_in_backward off)",
+                      stacklevel=4)
 
     def remove_hooks(self) -> None:
         for handle in self._hooked.values():
             handle.remove()
+        for p, owner in list(_OWNERS.items()):
+            if owner() is self:
+                del _OWNERS[p]
         self._hooked.clear()
         self.drop_schedule()
         if self._worker is not None:

@@ -31,8 +31,11 @@ from .migration import _CudaBackend
 REGION_ALIGN = 256
 DEFAULT_DEVICE_BUFFER = 256 << 20
 # Host tensors of at most a quarter of this are carved one after the other from page-locked slabs of
-# this size (fewer, larger copies; and one cudaHostAlloc per slab instead of per tensor)
+# at most this size (fewer, larger copies; and one cudaHostAlloc per slab instead of per tensor).
+# The first slab is small and each new one twice the last, so that a small optimizer (a tiny model
+# in a sweep of many) pins about what its states need, not a whole 64 MiB slab
 HOST_SLAB_BYTES = 64 << 20
+FIRST_HOST_SLAB_BYTES = 1 << 20
 
 
 _COPY_BYTES: list = []  # [the copy_bytes_ op, or None where this build has no kernel for it], once looked up
@@ -220,8 +223,10 @@ class HostResidentPager:
         if nbytes > self.host_slab_bytes // 4:
             t = self._host_bytes_block(nbytes).view(dtype).view(shape)
         else:  # carved from a slab: tensors made one after the other lie next to each other (one copy per run)
-            if self._slab is None or self._slab_used + nbytes > self.host_slab_bytes:
-                self._slab = self._host_bytes_block(self.host_slab_bytes).untyped_storage()
+            if self._slab is None or self._slab_used + nbytes > self._slab.nbytes():
+                size = FIRST_HOST_SLAB_BYTES if self._slab is None else 2 * self._slab.nbytes()
+                size = min(self.host_slab_bytes, max(size, _aligned(nbytes)))
+                self._slab = self._host_bytes_block(size).untyped_storage()
                 self._slab_used = 0
             offset = self._slab_used
             t = torch.empty(0, dtype=dtype).set_(self._slab, offset // dtype.itemsize, shape)
