@@ -396,8 +396,11 @@ def test_a_dropped_optimizer_is_freed_with_its_hooks_and_worker(update_thread):
     if thread is not None:
         thread.join(5)
         assert not thread.is_alive()
+    # its hooks came off the parameters: each has the one of the optimizer made next
+    assert all(not p._post_accumulate_grad_hooks for p in m.parameters())
     fresh = _make("PagedAdamW8bit", m, True)
-    _train(m, fresh, xs[3:])  # the old hooks are inert: one step, no error
+    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in m.parameters())
+    _train(m, fresh, xs[3:])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -128,6 +128,12 @@ def refuse_unsupported(opt: "QuantizedOptimizer") -> None:
 _OWNERS = WeakIdKeyDictionary()
 
 
+def _remove_handles(hooked: dict) -> None:
+    for handle in hooked.values():
+        handle.remove()
+    hooked.clear()
+
+
 class BackwardUpdates:
     """The hooks, the schedule and the per-step progress of updates during backward (see the module)."""
 
@@ -149,6 +155,9 @@ class BackwardUpdates:
         self._opt = weakref.ref(opt)
         self.enabled = True
         self._hooked: dict[int, object] = {}  # id(param) -> hook handle
+        # a dropped optimizer's hooks come off its parameters (a model outliving many optimizers, as
+        # in a sweep, would otherwise call every old one's inert hook in each backward)
+        weakref.finalize(self, _remove_handles, self._hooked)
         self._arrived: list[int] = []         # ids of params in the order their gradients arrived
         self._arrived_set: set[int] = set()
         self._plan = None                     # the optimizer's step plan the schedule was made from
@@ -208,12 +217,10 @@ class BackwardUpdates:
                       stacklevel=4)
 
     def remove_hooks(self) -> None:
-        for handle in self._hooked.values():
-            handle.remove()
+        _remove_handles(self._hooked)
         for p, owner in list(_OWNERS.items()):
             if owner() is self:
                 del _OWNERS[p]
-        self._hooked.clear()
         self.drop_schedule()
         if self._worker is not None:
             self._worker.close()
