@@ -24,6 +24,18 @@ def _load_common():
     return mod
 
 
+def _load_bench_train(name: str):
+    """bench/bench_train.py as a module of its own name (it imports common.py from bench/)."""
+    sys.path.insert(0, BENCH)
+    try:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, "bench_train.py"))
+        mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(BENCH)
+    return mod
+
+
 def _run(args, timeout=120):
     env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -208,13 +220,7 @@ def test_bench_train_smoke(tmp_path):
 def test_bench_train_mode_variants():
     """bench_train's ``@cNpM`` mode names: the tuning of updates during backward, set in the mode's
     own process before its optimizer is made; anything else is an unknown mode."""
-    sys.path.insert(0, BENCH)
-    try:
-        spec = importlib.util.spec_from_file_location("pagedopt_bench_train", os.path.join(BENCH, "bench_train.py"))
-        bt = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
-        spec.loader.exec_module(bt)
-    finally:
-        sys.path.remove(BENCH)
+    bt = _load_bench_train("pagedopt_bench_train")
     from pagedopt.optim.backward_updates import BackwardUpdates
 
     by_name = {m.name: m for m in bt.MODES}
@@ -252,13 +258,7 @@ def test_bench_train_mode_variants():
 def test_bench_train_records_peers_shapes():
     """run_mode records optimizers shaped like the peers': one that says it is paged but has no
     paging_stats (bitsandbytes' Paged*), one without a ``state`` (torchao's CPUOffloadOptimizer)."""
-    sys.path.insert(0, BENCH)
-    try:
-        spec = importlib.util.spec_from_file_location("pagedopt_bench_train2", os.path.join(BENCH, "bench_train.py"))
-        bt = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bt)
-    finally:
-        sys.path.remove(BENCH)
+    bt = _load_bench_train("pagedopt_bench_train2")
 
     class PagedWithoutStats(torch.optim.SGD):
         is_paged = True
@@ -309,13 +309,7 @@ def test_plot_copy_timeline_reads_the_profile_table(tmp_path):
 def test_bench_train_rounds(tmp_path):
     """--rounds N: every mode runs N times, interleaved, each run its own process; its record holds
     the median over rounds of the step and loop times, every round's pair and the largest memory peak."""
-    sys.path.insert(0, BENCH)
-    try:
-        spec = importlib.util.spec_from_file_location("pagedopt_bench_train3", os.path.join(BENCH, "bench_train.py"))
-        bt = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bt)
-    finally:
-        sys.path.remove(BENCH)
+    bt = _load_bench_train("pagedopt_bench_train3")
     recs = [{"mode": "m", "step_ms": s, "loop_step_ms": l, "device_used_peak": d, "note": "n"}
             for s, l, d in ((5.0, 9.0, 3), (1.0, 2.0, 7), (3.0, 4.0, 5))] + [{"mode": "m", "skipped": "boom"}]
     merged = bt.merge_rounds(recs)
