@@ -311,10 +311,11 @@ def test_bench_train_rounds(tmp_path):
     the median over rounds of the step and loop times, every round's pair and the largest memory peak."""
     bt = _load_bench_train("pagedopt_bench_train3")
     recs = [{"mode": "m", "step_ms": s, "loop_step_ms": l, "device_used_peak": d, "note": "n"}
-            for s, l, d in ((5.0, 9.0, 3), (1.0, 2.0, 7), (3.0, 4.0, 5))] + [{"mode": "m", "skipped": "boom"}]
+            for s, l, d in ((5.0, 9.0, 3), (1.0, 2.0, 7), (6.0, 4.0, 5))] + [{"mode": "m", "skipped": "boom"}]
     merged = bt.merge_rounds(recs)
-    assert merged["step_ms"] == 3.0 and merged["loop_step_ms"] == 4.0 and merged["device_used_peak"] == 7
-    assert [r["step_ms"] for r in merged["rounds"]] == [5.0, 1.0, 3.0] and merged["skipped_rounds"] == ["boom"]
+    # medians 5 and 4, where the means are 4 and 5: one slow round must not move the figure
+    assert merged["step_ms"] == 5.0 and merged["loop_step_ms"] == 4.0 and merged["device_used_peak"] == 7
+    assert [r["step_ms"] for r in merged["rounds"]] == [5.0, 1.0, 6.0] and merged["skipped_rounds"] == ["boom"]
     assert bt.loop_range(merged) == "2.0-9.0" and bt.loop_range(recs[0]) is None
     assert bt.merge_rounds([{"mode": "m", "skipped": "x"}]) == {"mode": "m", "skipped": "x"}
     with pytest.raises(SystemExit):
