@@ -366,8 +366,13 @@ def plot(records: list[dict], path: str) -> Optional[str]:
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 0.5 * len(done) + 1.5))
     names = [r["mode"] for r in done]
-    a.barh(names, [r["step_ms"] for r in done])
+    ys = range(len(done))
+    a.barh([y - 0.2 for y in ys], [r["step_ms"] for r in done], height=0.4, label="one step, synchronised")
+    a.barh([y + 0.2 for y in ys], [r.get("loop_step_ms") or 0 for r in done], height=0.4,
+           label="steps back to back (loop)")
+    a.set_yticks(list(ys), names)
     a.set_xlabel("median training step (ms)")
+    a.legend(loc="upper right", fontsize="small")
     a.invert_yaxis()
     used = [(r.get("device_used_peak") or 0) / (1 << 30) for r in done]
     b.barh(names, used)
