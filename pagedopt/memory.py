@@ -70,7 +70,7 @@ STEP_BYTES = 4  # the fp32 scalar ``step`` of every parameter's state (pagedopt 
 # a few hundred MiB with CUDA 12 lazy module loading (torch's default); measured as
 # nvidia-smi's process memory minus torch.cuda.memory_reserved(). A round, conservative figure.
 CUDA_CONTEXT_BYTES = 768 << 20
-# pagedopt pages states in and out in chunks of about this many bytes (base._PAGED_CHUNK_BYTES).
+# pagedopt pages states in and out in chunks of about this many bytes (optim.residency.CHUNK_BYTES).
 PAGED_CHUNK_BYTES = 64 << 20
 
 from .memory_report import log_memory, memory_report, report_gib  # noqa: F401  (re-exported)

@@ -57,14 +57,14 @@ def _time_host_calls(steps, step) -> None:
     them, the autograd engine's), per step and per chunk, over ``steps`` back-to-back steps."""
     from pagedopt import _ops
     from pagedopt.optim import backward_updates as bu
-    from pagedopt.optim.base import QuantizedOptimizer
+    from pagedopt.optim import kernels
     from pagedopt.paging.host_resident import StreamPass
 
     totals, counts = {}, {}
     targets = [(bu.BackwardUpdates, "_on_grad"), (bu.BackwardUpdates, "_update_chunk"),
                (bu.BackwardUpdates, "_update_part"), (bu.BackwardUpdates, "finish_step"),
                (bu.BackwardUpdates, "end_step"), (StreamPass, "take"), (StreamPass, "give_back"),
-               (QuantizedOptimizer, "_step_chunk"), (_ops, "check_grads"), (_ops, "quantized_step_")]
+               (kernels, "step_chunk"), (_ops, "check_grads"), (_ops, "quantized_step_")]
     saved = []
     for owner, attr in targets:
         fn = getattr(owner, attr)

@@ -1,5 +1,5 @@
 """The 32-bit Adam path on 16-bit parameters runs torch's fused fp32 kernel on fp32 copies of the
-parameters and gradients, a run of at most _FP32_COPY_NUMEL elements at a time (tensors cut into
+parameters and gradients, a run of at most FP32_COPY_NUMEL elements at a time (tensors cut into
 flat ranges), so that the copies never cost more than a few MiB. Cutting must not change the
 result: the update is elementwise."""
 import pytest
@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pagedopt
-from pagedopt.optim import adam as adam_module
-from pagedopt.optim.bucket_chunks import flat_runs
+from pagedopt.optim import kernels as kernels_module
+from pagedopt.optim.kernels import flat_runs
 
 
 @given(numels=st.lists(st.integers(0, 50), max_size=8), align=st.integers(1, 8), times=st.integers(1, 6))
@@ -33,7 +33,7 @@ def _run(dtype, limit, steps=3, found_inf_at=None):
 
 
 def _steps(mp, dtype, limit, steps, found_inf_at):
-    mp.setattr(adam_module, "_FP32_COPY_NUMEL", limit)  # the module's _FP32_COPY_ALIGN (1024) stays
+    mp.setattr(kernels_module, "FP32_COPY_NUMEL", limit)  # the module's FP32_COPY_ALIGN (1024) stays
     calls = []
     fused = torch._fused_adamw_
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -42,16 +42,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import _ops
 from ..paging.host_resident import _aligned
 from ..quant import STATE_BLOCK_SIZE
-from .bucket_chunks import contiguous_views
+from . import kernels
 from .grad_checks import locate, raise_bad_grad
-from .state_table import StateTable
+from .plan import group_of
+from .residency import make_chunk
 from .update_worker import UpdateWorker
 
-if TYPE_CHECKING:
-    from .base import QuantizedOptimizer
-
 # Pieces of a cut parameter start at multiples of this many elements: whole 256-element blocks of
-# 8-bit states, and whole vectors of torch's fused 32-bit CPU kernel (see adam._FP32_COPY_ALIGN)
+# 8-bit states, and whole vectors of torch's fused 32-bit CPU kernel (see kernels.FP32_COPY_ALIGN)
 CUT_ALIGN = 1024
 
 
@@ -104,7 +102,7 @@ class _Run:
         self.queued = 0                 # the next chunk to hand out (to the worker: it may be ahead of next)
 
 
-def refuse_unsupported(opt: "QuantizedOptimizer") -> None:
+def refuse_unsupported(opt) -> None:
     """Raise a ValueError, before anything changes, where updates in backward cannot be right."""
     from . import sharding
 
@@ -151,7 +149,7 @@ class BackwardUpdates:
     # on the autograd engine's thread; off until measured on a GPU (bench_train's @w variant)
     update_thread = False
 
-    def __init__(self, opt: "QuantizedOptimizer"):
+    def __init__(self, opt):
         self._opt = weakref.ref(opt)
         self.enabled = True
         self._hooked: dict[int, object] = {}  # id(param) -> hook handle
@@ -256,10 +254,9 @@ class BackwardUpdates:
         if self._checked:
             return self._schedule is not None
         self._checked = True
-        plan, state = opt._plan, opt.state
+        plan = opt.step_plan
         in_groups = {id(q) for g in opt.param_groups for q in g["params"]}
-        if (plan is not self._plan or not isinstance(state, StateTable)
-                or plan.key[:3] != (id(state), state.version, opt._plan_version)
+        if (plan is not self._plan or not opt.plan_is_current(plan)
                 or not all(id(p) in in_groups for b in plan.buckets for p in b.params)):
             self.drop_schedule()
             return False
@@ -288,18 +285,19 @@ class BackwardUpdates:
         order = [pid for pid in arrived if pid in position]
         seen = set(order)
         order += [pid for pid in position if pid not in seen]  # gradients not from a hook: updated in step()
-        keys = opt.algorithm.state_keys + opt.algorithm.absmax_keys
-        limit = max(opt._pager.device_buffer_bytes // self.chunks_per_buffer, 1)
+        spec = opt.algorithm
+        limit = max(opt.pager.device_buffer_bytes // self.chunks_per_buffer, 1)
         # a parameter whose states exceed a chunk is cut into pieces of whole blocks, each a chunk's
         # worth (updates are elementwise within 256-element blocks), so that the largest tensors
-        # (embeddings, heads) stream like the rest; not for stacked moments (AdEMAMix's state1)
-        cuttable = all(spec.moments == 1 for spec in opt.algorithm.states)
+        # (embeddings, heads) stream like the rest; not for stacked moments (AdEMAMix's state1), nor
+        # for updates scaled by each tensor's whole norm (LARS, LAMB)
+        cuttable = all(s.moments == 1 for s in spec.states) and not spec.norm_scaled
         schedule: dict = {}
         sizes: dict = {}
         for pid in order:
             bi, j = position[pid]
             b = plan.buckets[bi]
-            for piece in _pieces(j, b.params[j], b.states[j], keys, limit, cuttable):
+            for piece in _pieces(j, b.params[j], b.states[j], spec.memory_keys, limit, cuttable):
                 chunks = schedule.setdefault(b.device, [])
                 if not chunks or (sizes[b.device] + piece.nbytes > limit and chunks[-1][1]):
                     chunks.append(({}, []))
@@ -312,7 +310,7 @@ class BackwardUpdates:
         self._schedule = {device: [(list(parts.items()), ids) for parts, ids in chunks]
                           for device, chunks in schedule.items()}
         # laid out once: each step's pass reuses the layouts and the device views
-        self._pass_plans = {device: opt._pager.plan_pass(self._groups(chunks))
+        self._pass_plans = {device: opt.pager.plan_pass(self._groups(chunks))
                             for device, chunks in self._schedule.items()}
         self._chunk_of = {}
         for device, chunks in self._schedule.items():
@@ -329,7 +327,7 @@ class BackwardUpdates:
         """The coming step's pager passes: their first copies in start now."""
         depth = self.chunks_per_buffer - 1
         copies = self.copy_trace
-        self._runs = {device: _Run(chunks, opt._pager.open_pass(device, self._pass_plans[device], depth,
+        self._runs = {device: _Run(chunks, opt.pager.open_pass(device, self._pass_plans[device], depth,
                                                                 trace=copies))
                       for device, chunks in self._schedule.items()}
 
@@ -388,7 +386,7 @@ class BackwardUpdates:
         parts, _ = run.chunks[k]
         if not self._began:
             self._began = True
-            opt._pager.begin_step()  # the step's first chunk
+            opt.pager.begin_step()  # the step's first chunk
         stream = self._stream(device)
         marks = None
         if stream is not None:
@@ -452,16 +450,14 @@ class BackwardUpdates:
             contiguous = all(g.is_contiguous() for g in grads)
         else:
             contiguous = verdict == _ops.GRADS_CONTIGUOUS
-        keys = opt._bucket_keys(bucket.eight_bit)  # the order of bucket.lists
-        lists = tuple([view_of[id(piece.by_key[key])] if key != "step" else bucket.states[piece.j]["step"]
-                       for piece in pieces] for key in keys)
+        lists = {key: [view_of[id(piece.by_key[key])] if key in piece.by_key else bucket.states[piece.j][key]
+                       for piece in pieces] for key in bucket.lists}
         counters = [bucket.states[piece.j]["step"] for piece in pieces if piece.j not in self._stepped.get(id(bucket), ())]
         self._stepped.setdefault(id(bucket), set()).update(piece.j for piece in pieces)
         if counters:
             torch._foreach_add_(counters, 1.0)  # once per parameter, at its first piece
-        group = opt._group_of(bucket)
-        work_params, work_grads = (params, grads) if contiguous else contiguous_views(params, grads)
-        opt._step_chunk(group, bucket, params, work_params, work_grads, lists, None, None)
+        kernels.step_chunk(opt.algorithm, bucket, group_of(opt.param_groups, bucket),
+                           make_chunk(params, grads, lists, contiguous), None, None)
         self._updated.update(id(bucket.params[piece.j]) for piece in pieces)
 
     # ------------------------------------------------------------------ step()

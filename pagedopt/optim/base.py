@@ -20,51 +20,23 @@ it), so that a step skipped by GradScaler needs no host synchronisation.
 """
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from .. import _ops
 from ..quant import STATE_BLOCK_SIZE, dynamic_codebook
-from . import checkpoint, sharding
-from .algorithm import AlgorithmSpec
-from .bucket_chunks import bucket_chunks, write_back
-from . import capture
-from .capture import capture_check, lr_tensor
-from .fast_step import fast_step, hold_params_for_fast_steps
+from . import capture, checkpoint, executor, sharding
+from .algorithms.spec import AlgorithmSpec
 from .byte_sizes import optimizer_state_bytes  # noqa: F401  (public here)
-from .pager_control import PAGED_SLAB_BYTES as _PAGED_SLAB_BYTES, PagerControl
-from .hyperparameters import check_hyperparameters
+from .fast_step import fast_step, hold_params_for_fast_steps
 from .global_manager import GlobalOptimManager
 from .grad_checks import raise_bad_grad, raise_bad_sharding
+from .hyperparameters import check_hyperparameters
+from .pager_control import PAGED_SLAB_BYTES, PagerControl
+from .plan import StepPlan, build_plan, is_current
+from .residency import streams_states
 from .state_table import StateTable
-from .step_counters import add_to_counters, share_step_counters, subtract_from_counters
-
-# Paged steps are split into chunks of about this many state bytes, so that paging in the
-# next chunk overlaps the update of the current one.
-_PAGED_CHUNK_BYTES = 64 << 20
-
-
-class _Bucket(NamedTuple):
-    gi: int
-    device: torch.device
-    eight_bit: bool
-    stateful: bool             # False: the parameters have no state but `step` (plain SGD)
-    index: list[int]           # positions in step()'s list of parameters with gradients
-    params: list[torch.Tensor]
-    states: list[dict]
-    lists: tuple               # one list per key of optimizer._bucket_keys(eight_bit)
-    held: Any                  # the same lists held by a C++ state list (optimizer._hold_states), or None
-    override: dict             # GlobalOptimManager settings over the group's (lr, betas, eps, weight_decay)
-
-
-class _StepPlan(NamedTuple):
-    key: tuple
-    buckets: list[_Bucket]
-    steps_by_device: dict      # device -> its parameters' step counters (step_counters.py)
-    sharded: bool              # some parameter is a DTensor: kernels run on local shards (_local_tensors)
-    fast: bool                 # fast_step.py may run the next steps (held lists over every parameter)
 
 
 def _run_update(optimizer: "QuantizedOptimizer") -> None:
@@ -84,7 +56,6 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
     algorithm: AlgorithmSpec
     _bits: Optional[int] = None  # the state width a *8bit / *32bit class fixes (None: optim_bits decides)
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
-    _held_step_only = True  # every stateful bucket's step is its held list's quantized_step_ (fast_step.py)
 
     def __init__(self, params, defaults: dict, *, args: Any = None, percentile_clipping: int = 100,
                  block_wise: bool = True, is_paged: bool = False, capturable: bool = False):
@@ -101,7 +72,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
             raise ValueError(f"Invalid argument 'capturable': {capturable!r} (must be True or False)")
         # the optimizer's, not a param group's: the groups keep bitsandbytes' keys (checkpoint layout)
         self.capturable = capturable
-        self._check_hyperparameters(defaults, "argument")
+        self.check_hyperparameters(defaults, "argument")
         self._start_runtime(is_paged)
         super().__init__(params, defaults)
         self.state = StateTable(self.state)
@@ -114,11 +85,31 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         if self.is_paged and pager is None:
             from ..paging import PageManager
 
-            self._pager = PageManager(arena_bytes=_PAGED_SLAB_BYTES)
+            self._pager = PageManager(arena_bytes=PAGED_SLAB_BYTES)
         self._codebooks: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._plan_version = 0  # bumped whenever param groups are replaced or added
         self._plan = None
         self._backward_updates = None  # set_pager(..., update_in_backward=True): backward_updates.py
+
+    # ------------------------------------------------------------------ what the pipeline reads
+    @property
+    def pager(self):
+        """The PageManager or HostResidentPager of this optimizer's states (None: not paged)."""
+        return self._pager
+
+    @property
+    def plan_version(self) -> int:
+        """Bumped whenever the param groups are replaced or added (a cached plan is then stale)."""
+        return self._plan_version
+
+    @property
+    def step_plan(self) -> Optional[StepPlan]:
+        """The cached step plan (plan.py), or None before the first step or after a change."""
+        return self._plan
+
+    def plan_is_current(self, plan: Optional[StepPlan]) -> bool:
+        """Whether ``plan`` still fits the state and the param groups (plan.is_current)."""
+        return is_current(plan, self.state, self._plan_version)
 
     # ------------------------------------------------------------------ validation
     def _fixed_bits(self, optim_bits):
@@ -133,7 +124,8 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         return self._bits
 
     @classmethod
-    def _check_hyperparameters(cls, h: dict, where: str) -> None:
+    def check_hyperparameters(cls, h: dict, where: str) -> None:
+        """Raise a ValueError naming ``where`` and the key if a setting of ``h`` is not valid."""
         spec = cls.algorithm
         check_hyperparameters(h, where, spec.betas, spec.has_eps, spec.check)
 
@@ -141,80 +133,76 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         """torch's add_param_group, with the group's settings checked before it is added."""
         if isinstance(param_group, dict):
             settings = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
-            self._check_hyperparameters(settings, f"param_groups[{len(self.param_groups)}]")
+            self.check_hyperparameters(settings, f"param_groups[{len(self.param_groups)}]")
         super().add_param_group(param_group)
         self._plan_version += 1
         if getattr(self, "_backward_updates", None) is not None:
             self._backward_updates.hook_params(self.param_groups[-1]["params"])
 
     # ------------------------------------------------------------------ state
-    def _codebooks_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def codebooks_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The (signed, unsigned) dynamic codebooks on ``device``, shared by every parameter there."""
         if device not in self._codebooks:
             self._codebooks[device] = (dynamic_codebook(True, device), dynamic_codebook(False, device))
         return self._codebooks[device]
 
-    def _default_qmap(self, qmap_key: str, device: torch.device) -> torch.Tensor:
+    def default_qmap(self, qmap_key: str, device: torch.device) -> torch.Tensor:
         """The codebook this algorithm gives the state of ``qmap_key`` (``qmap1``...) on ``device``."""
         spec = next(s for s in self.algorithm.states if s.qmap_key == qmap_key)
-        signed, unsigned = self._codebooks_on(device)
+        signed, unsigned = self.codebooks_on(device)
         return signed if spec.signed else unsigned
 
-    def _bucket_keys(self, eight_bit: bool, stateful: bool = True) -> tuple[str, ...]:
-        """The state keys a fused call takes, one list each: states, absmax (8-bit), step."""
-        spec = self.algorithm
-        if not stateful:
-            return ("step",)
-        return spec.state_keys + (spec.absmax_keys if eight_bit else ()) + ("step",)
-
-    def _needs_states(self, config: dict) -> bool:
-        """Whether a parameter under ``config`` keeps the algorithm's states (plain SGD does not)."""
-        return True
-
-    def _state_zeros(self, shape, dtype, device) -> torch.Tensor:
+    def state_zeros(self, shape, dtype, device) -> torch.Tensor:
+        """A zero tensor in this optimizer's own state memory (paged when it pages)."""
         if self._pager is not None:
             return self._pager.zeros(shape, dtype, device)
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    def _state_copy(self, t: torch.Tensor, device) -> torch.Tensor:
+    def state_copy(self, t: torch.Tensor, device) -> torch.Tensor:
         """A copy of ``t`` on ``device`` in this optimizer's own state memory (paged when it pages)."""
-        out = self._state_zeros(t.shape, t.dtype, device)
+        out = self.state_zeros(t.shape, t.dtype, device)
         out.copy_(t)
         return out
 
-    def _uses_8bit(self, config: dict, p: torch.Tensor) -> bool:
+    def uses_8bit(self, config: dict, p: torch.Tensor) -> bool:
         """Whether a new state for ``p`` is 8-bit under ``config`` (its group and overrides)."""
         return config["optim_bits"] == 8 and p.numel() >= config["min_8bit_size"]
 
-    def _overrides(self, param_groups: list[dict]) -> dict[tuple[int, int], dict]:
+    def overrides(self, param_groups: list[dict]) -> dict[tuple[int, int], dict]:
         """GlobalOptimManager's per-parameter settings for ``param_groups``, checked."""
         found = GlobalOptimManager.get_instance().overrides_for(param_groups)
         for (gi, pi), config in found.items():
-            self._check_hyperparameters({**param_groups[gi], **config},
-                                            f"param_groups[{gi}] (GlobalOptimManager override of params[{pi}])")
+            self.check_hyperparameters({**param_groups[gi], **config},
+                                       f"param_groups[{gi}] (GlobalOptimManager override of params[{pi}])")
         return found
 
-    def _init_state(self, config: dict, p: torch.Tensor) -> dict:
-        """``p``'s state, created if it has none. A DTensor parameter (FSDP2) gets states of its
-        local shard only (shape and blocks of ``sharding.local(p)``); whether they are 8-bit depends on the
-        global size, so that every rank, and an unsharded run, choose alike."""
-        state = self.state[p]
-        needs_states = self._needs_states(config)
-        if len(state) != 0 and (not needs_states or self.algorithm.states[0].key in state):
-            return state
+    def complete_state(self, config: dict, p: torch.Tensor, existing: dict) -> Optional[dict]:
+        """``p``'s state with everything it lacks made, as a new dict (``existing`` is left as it
+        is, so that a failed allocation changes nothing), or None when it lacks nothing. A DTensor
+        parameter (FSDP2) gets states of its local shard only (shape and blocks of
+        ``sharding.local(p)``); whether they are 8-bit depends on the global size, so that every
+        rank, and an unsharded run, choose alike."""
+        spec = self.algorithm
+        needs_states = spec.needs_states(config)
+        if len(existing) != 0 and (not needs_states or spec.states[0].key in existing):
+            return None
         local = sharding.local(p)
+        state = dict(existing)
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=local.device)
         if not needs_states:
             return state
-        eight_bit = self._uses_8bit(config, p)
+        eight_bit = self.uses_8bit(config, p)
         blocks = (local.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
-        for spec in self.algorithm.states:
-            state[spec.key] = self._state_zeros(spec.shape(local.shape), torch.uint8 if eight_bit else torch.float32,
-                                                local.device)
+        for s in spec.states:
+            state[s.key] = self.state_zeros(s.shape(local.shape), torch.uint8 if eight_bit else torch.float32,
+                                            local.device)
             if eight_bit:
-                state[spec.absmax_key] = self._state_zeros(spec.absmax_shape(blocks), torch.float32, local.device)
-                state[spec.qmap_key] = self._default_qmap(spec.qmap_key, local.device)
+                state[s.absmax_key] = self.state_zeros(s.absmax_shape(blocks), torch.float32, local.device)
+                state[s.qmap_key] = self.default_qmap(s.qmap_key, local.device)
+        for key in spec.extra_keys:
+            if key not in state:
+                state[key] = torch.zeros((1,), dtype=torch.float32, device=local.device)
         return state
 
     # ------------------------------------------------------------------ step
@@ -242,7 +230,8 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
 
     @torch.no_grad()
     def _update(self) -> None:
-        """The update of step(), always eager (see step())."""
+        """The update of step(), always eager (see step()): the fast step when the plan allows it,
+        else the rest of updates during backward or the ordinary step."""
         plan = self._plan
         if plan is not None and plan.fast and fast_step(self, plan):
             return
@@ -257,7 +246,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
                 bwd.refuse_grad_scaler(self)
             bwd.make_schedule(self, self._update_params())
 
-    def _update_params(self, exclude=frozenset()) -> Optional["_StepPlan"]:
+    def _update_params(self, exclude=frozenset()) -> Optional[StepPlan]:
         """The ordinary step of the parameters with gradients (but those in ``exclude``, ids); its plan."""
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
@@ -275,163 +264,43 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         # decided once per plan, so a plain run pays nothing for it.
         plan = self._cached_plan(params)
         if capture.capturing(params[0]):
-            capture_check(self, plan)
+            capture.capture_check(self, plan)
         sharded = plan.sharded if plan is not None else sharding.has_dtensor(params)
-        work_params, work_grads = sharding.local_tensors(params, grads, lambda p, g: raise_bad_sharding(self.param_groups, p, g)) if sharded else (params, grads)
+        work_params, work_grads = (sharding.local_tensors(params, grads,
+                                                          lambda p, g: raise_bad_sharding(self.param_groups, p, g))
+                                   if sharded else (params, grads))
         verdict = _ops.check_grads(work_params, work_grads)
         if verdict >= 0:
             raise_bad_grad(self.param_groups, params[verdict])
+        # 2. The plan (made once; new states made as a transaction), 3. the executor.
         if plan is None:
             plan = self._step_plan(params)
-        contiguous = verdict == _ops.GRADS_CONTIGUOUS
-
-        def step_bucket(i, bucket, scale, inf):
-            bucket_grads = [work_grads[k] for k in bucket.index]
-            bucket_params = [work_params[k] for k in bucket.index] if sharded else bucket.params
-            self._step_bucket(self._group_of(bucket), bucket, bucket_params, bucket_grads, contiguous, scale, inf)
-
-        self._count_and_step(plan, step_bucket)
+        executor.run(self.algorithm, self._pager, self.param_groups, plan, work_params, work_grads,
+                     verdict == _ops.GRADS_CONTIGUOUS, getattr(self, "grad_scale", None),
+                     getattr(self, "found_inf", None))
         return plan
 
-    def _group_of(self, bucket: "_Bucket") -> dict:
-        """The settings a bucket steps with: its group's, with its GlobalOptimManager overrides."""
-        group = self.param_groups[bucket.gi]
-        return {**group, **bucket.override} if bucket.override else group
-
-    def _count_and_step(self, plan: "_StepPlan", step_bucket: Callable) -> None:
-        """What every step does around its buckets' calls (the ordinary step and fast_step.py):
-        step counters + 1, the pager told that a step begins, ``step_bucket(i, bucket, grad_scale,
-        found_inf)`` per bucket with GradScaler's tensors on the bucket's device, then counters -
-        found_inf (a skipped step does not count)."""
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        for steps in plan.steps_by_device.values():
-            add_to_counters(steps, 1.0)
-        if self._pager is not None:
-            self._pager.begin_step()
-        for i, bucket in enumerate(plan.buckets):
-            scale = None if grad_scale is None else grad_scale.to(bucket.device, non_blocking=True)
-            inf = None if found_inf is None else found_inf.to(bucket.device, non_blocking=True)
-            step_bucket(i, bucket, scale, inf)
-        if found_inf is not None:
-            for device, steps in plan.steps_by_device.items():
-                subtract_from_counters(steps, found_inf.to(device, non_blocking=True))
-
-    def _step_plan(self, params: list[torch.Tensor]) -> "_StepPlan":
-        """The buckets of this set of parameters, built once and reused while the parameters with
-        gradients, the param groups and the state stay the same (any change to ``self.state`` or a
-        parameter's state dict, ``load_state_dict`` and ``add_param_group`` rebuild it; a state
-        tensor changed in place is used as it is). Bucket by (group, device, dtype, state width,
-        codebooks, per-parameter overrides); each bucket is one fused call. Codebooks differ only
-        when a checkpoint brought its own."""
+    def _step_plan(self, params: list[torch.Tensor]) -> StepPlan:
+        """The buckets of this set of parameters (plan.py), built once and reused while the
+        parameters with gradients, the param groups and the state stay the same (any change to
+        ``self.state`` or a parameter's state dict, ``load_state_dict`` and ``add_param_group``
+        rebuild it; a state tensor changed in place is used as it is)."""
         plan = self._cached_plan(params)
         if plan is not None:
             return plan
-        state = self.state
-        key = (id(state), state.version, self._plan_version, tuple(map(id, params)))
-        index_of = {id(p): (gi, pi) for gi, group in enumerate(self.param_groups)
-                    for pi, p in enumerate(group["params"])}
-        overrides = self._overrides(self.param_groups)
-        members: dict[tuple, list[int]] = defaultdict(list)
-        streamed = getattr(self._pager, "streams_states", False)  # host-resident states: no held device lists
-        for i, p in enumerate(params):
-            gi, pi = index_of[id(p)]
-            override = overrides.get((gi, pi), {})
-            if streamed:
-                self._check_fits_device_buffer({**self.param_groups[gi], **override}, p, gi, pi)
-            st = self._init_state({**self.param_groups[gi], **override}, p)
-            stateful = self.algorithm.states[0].key in st
-            eight_bit = stateful and st[self.algorithm.states[0].key].dtype == torch.uint8
-            codebooks = tuple(id(st[q]) for q in self.algorithm.qmap_keys) if eight_bit else None
-            setting = tuple(sorted((k, v) for k, v in override.items() if k not in ("optim_bits", "min_8bit_size")))
-            members[(gi, p.device, p.dtype, eight_bit, stateful, codebooks, setting)].append(i)
-        on_device: dict[torch.device, list[dict]] = defaultdict(list)
-        for (_, device, *_), index in members.items():
-            on_device[device] += [state[params[i]] for i in index]
-        # before the state lists are held: they take the shared counters (step_counters.py)
-        steps_by_device = {device: share_step_counters(states, device) for device, states in on_device.items()}
-        buckets = []
-        for (gi, device, _, eight_bit, stateful, _, setting), index in members.items():
-            bucket_params = [params[i] for i in index]
-            states = [state[p] for p in bucket_params]
-            lists = tuple([s[k] for s in states] for k in self._bucket_keys(eight_bit, stateful))
-            held = self._hold_states(lists, states[0], eight_bit) if stateful and not streamed else None
-            buckets.append(_Bucket(gi, device, eight_bit, stateful, index, bucket_params, states, lists, held,
-                                   dict(setting)))
-        key = (id(state), state.version, self._plan_version, key[3])  # states may have been created
-        sharded = sharding.has_dtensor(params)
-        fast = hold_params_for_fast_steps(self, buckets, params, sharded)
-        self._plan = _StepPlan(key, buckets, steps_by_device, sharded, fast)
+        streamed = streams_states(self._pager)
+        plan = build_plan(self.algorithm, self.param_groups, self.state, self._plan_version, params,
+                          self.overrides(self.param_groups), self.complete_state,
+                          self.check_fits_device_buffer if streamed else None, streamed)
+        self._plan = hold_params_for_fast_steps(plan, params, self.param_groups, self._pager, self.algorithm)
         return self._plan
 
-    def _cached_plan(self, params: list[torch.Tensor]) -> Optional["_StepPlan"]:
+    def _cached_plan(self, params: list[torch.Tensor]) -> Optional[StepPlan]:
         """The cached plan if it still fits these parameters, the groups and the state, else None."""
-        state = self.state
-        if not isinstance(state, StateTable):  # replaced by hand
-            state = self.state = StateTable(state)
+        if not isinstance(self.state, StateTable):  # replaced by hand
+            self.state = StateTable(self.state)
         plan = self._plan
-        if plan is not None and plan.key == (id(state), state.version, self._plan_version, tuple(map(id, params))):
-            return plan
-        return None
-
-    def _hold_states(self, lists: tuple, first_state: dict, eight_bit: bool):
-        """The bucket's state lists held by the C++ side, so that a step passes only parameters
-        and gradients (see quantized_state_list.h); ``first_state`` gives the codebooks."""
-        spec, n_keys = self.algorithm, len(self.algorithm.states)
-        return torch.classes.pagedopt.QuantizedStateList(
-            spec.engine, [t for lst in lists[:n_keys] for t in lst],
-            [t for lst in lists[n_keys:2 * n_keys] for t in lst] if eight_bit else [], lists[-1],
-            [first_state[q] for q in spec.qmap_keys] if eight_bit else [])
-
-    def _bucket_chunks(self, bucket: "_Bucket", bucket_params: list[torch.Tensor], grads: list[torch.Tensor],
-                       contiguous: bool):
-        """(params, work params, work grads, state lists) per chunk of the bucket (bucket_chunks.py)."""
-        keys = self.algorithm.state_keys + self.algorithm.absmax_keys
-        return bucket_chunks(self._pager, keys, bucket.states, bucket.lists, bucket_params, grads, contiguous,
-                             _PAGED_CHUNK_BYTES)
-
-    _write_back = staticmethod(write_back)
-
-    def _step_bucket(self, group: dict, bucket: "_Bucket", params, grads, contiguous: bool, grad_scale,
-                     found_inf) -> None:
-        """One fused call of the generic engine on the held states (quantized_step_list_) per
-        bucket, or ``_step_chunk`` per chunk of it: while paged states are not resident, and for
-        buckets whose states are not held (host-resident ones; Adam's 32-bit states, which torch's
-        fused kernel updates). ``params``/``grads``: the bucket's (local shards of DTensor parameters)."""
-        if not bucket.stateful:
-            self._step_stateless(group, params, grads, grad_scale, found_inf)
-            return
-        if bucket.held is not None and contiguous and (self._pager is None or self._pager.all_resident()):
-            lr = lr_tensor(group, bucket.device)
-            hyper = self._engine_hyper(group if lr is None else {**group, "lr": 0.0})
-            _ops.quantized_step_list_(bucket.held, params, grads, hyper, grad_scale, found_inf, lr)
-            return
-        for params, work_params, work_grads, lists in self._bucket_chunks(bucket, params, grads, contiguous):
-            self._step_chunk(group, bucket, params, work_params, work_grads, lists, grad_scale, found_inf)
-
-    def _step_chunk(self, group: dict, bucket: "_Bucket", params, work_params, work_grads, lists: tuple, grad_scale,
-                    found_inf) -> None:
-        """One fused call on some of a bucket's parameters: ``lists`` holds their state tensors (or
-        device views of host-resident ones), one list per key of the bucket (``bucket.lists``);
-        ``work_params`` are the contiguous tensors updated in place of ``params`` (written back)."""
-        spec = self.algorithm
-        lr = lr_tensor(group, bucket.device)
-        hyper = self._engine_hyper(group if lr is None else {**group, "lr": 0.0})
-        n_keys = len(spec.states)
-        qmaps = [bucket.states[0][q] for q in spec.qmap_keys] if bucket.eight_bit else []
-        absmax = lists[n_keys:2 * n_keys] if bucket.eight_bit else []
-        _ops.quantized_step_(spec.engine, work_params, work_grads, lists[:n_keys], absmax, lists[-1], qmaps,
-                             hyper, grad_scale=grad_scale, found_inf=found_inf, lr=lr)
-        if work_params is not params:
-            self._write_back(params, work_params)
-
-    def _engine_hyper(self, group: dict) -> list:
-        """The op's ``hyper`` list for this group (the algorithm's, in the functor's order)."""
-        return self.algorithm.hyper(group)
-
-    def _step_stateless(self, group: dict, params, grads, grad_scale, found_inf) -> None:
-        """The step of parameters without states (plain SGD overrides it)."""
-        raise NotImplementedError(f"{type(self).__name__} keeps states for every parameter")
+        return plan if is_current(plan, self.state, self._plan_version, tuple(map(id, params))) else None
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -504,15 +373,15 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         elif is_paged and budget_bytes is not None:  # a copy keeps the original's device budget
             from ..paging import PageManager
 
-            pager = PageManager(budget_bytes, arena_bytes=_PAGED_SLAB_BYTES)
+            pager = PageManager(budget_bytes, arena_bytes=PAGED_SLAB_BYTES)
         self._start_runtime(is_paged, pager)
         table = StateTable()
         for p, s in saved_state.items():
             s = dict(s)
             if self._pager is not None:  # a paged optimizer's copy pages its states too
-                for k in self.algorithm.state_keys + self.algorithm.absmax_keys:
+                for k in self.algorithm.memory_keys:
                     if isinstance(s.get(k), torch.Tensor):
-                        s[k] = self._state_copy(s[k], s[k].device)
+                        s[k] = self.state_copy(s[k], s[k].device)
             table[p] = s
         self.state = table
         if update_in_backward is not None:  # the copy's parameters get hooks of their own (tensors' copies have none)

@@ -19,12 +19,9 @@ paged states must be resident; host-resident states (``residency="host"``) canno
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
-
 import torch
 
-if TYPE_CHECKING:
-    from .base import QuantizedOptimizer
+from .residency import all_resident, streams_states
 
 
 def capturing(p: torch.Tensor) -> bool:
@@ -32,16 +29,7 @@ def capturing(p: torch.Tensor) -> bool:
     return p.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def lr_tensor(group: dict, device: torch.device) -> Optional[torch.Tensor]:
-    """The group's lr when the kernels can read it on ``device`` (a tensor there), else None (a
-    float lr, or a tensor elsewhere, which the step reads on the host)."""
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor) and lr.device == device:
-        return lr
-    return None
-
-
-def capture_check(opt: "QuantizedOptimizer", plan) -> None:
+def capture_check(opt, plan) -> None:
     """Refuse, before anything changes, a step being captured that could not replay correctly."""
     name = type(opt).__name__
     if not getattr(opt, "capturable", False):
@@ -61,12 +49,12 @@ def capture_check(opt: "QuantizedOptimizer", plan) -> None:
                            "parameters with gradients (or after they changed: a new parameter, load_state_dict, "
                            "add_param_group): run eager warm-up steps with the same parameters having gradients "
                            "first, so that the states and step counters are made outside the graph")
-    pager = opt._pager
-    if pager is not None and getattr(pager, "streams_states", False):
+    pager = opt.pager
+    if streams_states(pager):
         raise RuntimeError(f"{name}.step() cannot be captured in a CUDA graph with host-resident states "
                            "(residency='host'): their copies are scheduled on the host at every step; use "
                            "set_pager(residency='device') for a captured step")
-    if pager is not None and not pager.all_resident():
+    if not all_resident(pager):
         raise RuntimeError(f"{name}.step() cannot be captured in a CUDA graph while paged states are not all "
                            "resident on the GPU (after page_out(), over the device budget, or with a page-in in "
                            "flight): run an eager step (which pages them in) right before capture, and keep them "

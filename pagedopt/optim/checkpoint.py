@@ -28,8 +28,7 @@ from .state_keys import (ABSMAX_KEYS, ABSMAX_LAYOUT_KEY, BNB_NESTED_KEY, MOMENT_
                          TORCH_MOMENT_KEYS, refuse)
 
 if TYPE_CHECKING:
-    from .algorithm import AlgorithmSpec
-    from .base import QuantizedOptimizer
+    from .algorithms.spec import AlgorithmSpec
 
 def _param_name(gi: int, pi: int) -> str:
     return f"param_groups[{gi}]['params'][{pi}]"
@@ -163,7 +162,7 @@ def read_param_state(saved: Any, p: torch.Tensor, where: str, spec: "AlgorithmSp
     return out
 
 
-def read_group(opt: "QuantizedOptimizer", gi: int, saved: Any, current: dict) -> dict:
+def read_group(opt, gi: int, saved: Any, current: dict) -> dict:
     """The param group after loading: the saved settings over the current ones (a key missing
     from the checkpoint, such as optim_bits in a torch or bitsandbytes checkpoint, keeps its value)."""
     where = f"param_groups[{gi}]"
@@ -174,7 +173,7 @@ def read_group(opt: "QuantizedOptimizer", gi: int, saved: Any, current: dict) ->
     group = {k: v for k, v in current.items() if k != "params"}
     group.update({k: v for k, v in saved.items() if k not in ("params", "param_names") + TORCH_GROUP_FLAGS})
     try:
-        opt._check_hyperparameters(group, where)
+        opt.check_hyperparameters(group, where)
     except ValueError as e:
         raise refuse(str(e)) from None
     mine = current.get("lr")
@@ -185,7 +184,7 @@ def read_group(opt: "QuantizedOptimizer", gi: int, saved: Any, current: dict) ->
     return group
 
 
-def plan_load(opt: "QuantizedOptimizer", state_dict: Any) -> tuple[list[dict], dict]:
+def plan_load(opt, state_dict: Any) -> tuple[list[dict], dict]:
     """(new param groups, new state by parameter), checked and allocated; the optimizer is not
     touched."""
     state_dict = _as_mapping(state_dict, "the state dict")
@@ -228,29 +227,29 @@ def plan_load(opt: "QuantizedOptimizer", state_dict: Any) -> tuple[list[dict], d
         read[(gi, pi)] = read_param_state(saved, p, _param_name(gi, pi), opt.algorithm)
 
     new_state = {}
-    overrides = opt._overrides(new_groups)
+    overrides = opt.overrides(new_groups)
     for (gi, pi), fields in read.items():
         p = new_groups[gi]["params"][pi]
         if "exp_avg" in fields:
             config = {**new_groups[gi], **overrides.get((gi, pi), {})}
-            fields = _from_torch(opt, fields, local(p), opt._uses_8bit(config, p))
+            fields = _from_torch(opt, fields, local(p), opt.uses_8bit(config, p))
         new_state[p] = _materialize(opt, fields, local(p))
     return new_groups, new_state
 
 
-def _from_torch(opt: "QuantizedOptimizer", fields: dict, p: torch.Tensor, eight_bit: bool) -> dict:
+def _from_torch(opt, fields: dict, p: torch.Tensor, eight_bit: bool) -> dict:
     out = {k: v for k, v in fields.items() if k not in TORCH_MOMENT_KEYS}
     m, v = (fields[k].to(p.device) for k in TORCH_MOMENT_KEYS)
     if not eight_bit:
         out["state1"], out["state2"] = m, v
         return out
-    out["qmap1"], out["qmap2"] = opt._codebooks_on(p.device)
+    out["qmap1"], out["qmap2"] = opt.codebooks_on(p.device)
     out["state1"], out["absmax1"] = _ops.quantize_blockwise(m.contiguous(), out["qmap1"], STATE_BLOCK_SIZE)
     out["state2"], out["absmax2"] = _ops.quantize_blockwise(v.contiguous(), out["qmap2"], STATE_BLOCK_SIZE)
     return out
 
 
-def _materialize(opt: "QuantizedOptimizer", fields: dict, p: torch.Tensor) -> dict:
+def _materialize(opt, fields: dict, p: torch.Tensor) -> dict:
     """The parameter's new state on its device: states in fresh (paged, for a paged optimizer)
     tensors, the default codebooks shared."""
     state = {}
@@ -258,10 +257,10 @@ def _materialize(opt: "QuantizedOptimizer", fields: dict, p: torch.Tensor) -> di
         if k == "step":
             state[k] = torch.tensor(v, dtype=torch.float32, device=p.device)
         elif k in QMAP_KEYS:
-            default = opt._default_qmap(k, p.device)
+            default = opt.default_qmap(k, p.device)
             state[k] = default if torch.equal(v.cpu(), default.cpu()) else v.to(p.device, copy=True)
         elif k in MOMENT_KEYS + ABSMAX_KEYS:
-            state[k] = opt._state_copy(v, p.device)
+            state[k] = opt.state_copy(v, p.device)
         elif isinstance(v, torch.Tensor):  # e.g. LARS/LAMB's unorm_vec: on the parameter's device
             state[k] = v.to(p.device, copy=True)
         else:

@@ -22,53 +22,47 @@ their own parameters, usually the few small ones.
 from __future__ import annotations
 
 from itertools import chain
-from typing import TYPE_CHECKING
 
 from .. import _ops
-from . import capture
-from .capture import capture_check, lr_tensor
-from .state_table import StateTable
-
-if TYPE_CHECKING:
-    from .base import QuantizedOptimizer
+from . import capture, executor, kernels
+from .plan import StepPlan, group_of, is_current
+from .residency import all_resident, streams_states
 
 
-def hold_params_for_fast_steps(opt: "QuantizedOptimizer", buckets: list, params: list, sharded: bool) -> bool:
-    """When a new plan qualifies for fast steps, hold its parameters in its state lists; whether it does."""
-    if sharded or not opt._held_step_only or getattr(opt._pager, "streams_states", False):
-        return False
-    if not any(b.held is not None for b in buckets):
-        return False
-    if len(params) != sum(len(g["params"]) for g in opt.param_groups):  # some parameter had no gradient
-        return False
-    for b in buckets:
+def hold_params_for_fast_steps(plan: StepPlan, params: list, param_groups: list[dict], pager, spec) -> StepPlan:
+    """When a new plan qualifies for fast steps, hold its parameters in its state lists; the plan,
+    with ``fast`` set when it does."""
+    if plan.sharded or spec.norm_scaled or streams_states(pager):
+        return plan
+    if not any(b.held is not None for b in plan.buckets):
+        return plan
+    if len(params) != sum(len(g["params"]) for g in param_groups):  # some parameter had no gradient
+        return plan
+    for b in plan.buckets:
         if b.held is not None:
             b.held.hold_params(b.params)
-    return True
+    return plan._replace(fast=True)
 
 
-def fast_step(opt: "QuantizedOptimizer", plan) -> bool:
+def fast_step(opt, plan: StepPlan) -> bool:
     """The step of ``plan`` if it can run fast (see the module's docstring); False, with nothing
     changed, when the ordinary step must run instead."""
-    state = opt.state
     groups = opt.param_groups
-    if not isinstance(state, StateTable) or plan.key[:3] != (id(state), state.version, opt._plan_version):
+    if not is_current(plan, opt.state, opt.plan_version):
         return False
     if tuple(map(id, chain.from_iterable(g["params"] for g in groups))) != plan.key[3]:  # about 20 ns a parameter
         return False
-    pager = opt._pager
-    if pager is not None and not pager.all_resident():
+    pager, spec = opt.pager, opt.algorithm
+    if not all_resident(pager):
         return False
     buckets = plan.buckets
     if capture.capturing(buckets[0].params[0]):
-        capture_check(opt, plan)
+        capture.capture_check(opt, plan)
     calls = []
     for b in buckets:  # every held bucket's hyperparameters read before anything changes
-        group = opt._group_of(b)
-        lr = lr_tensor(group, b.device)
-        hyper = None if b.held is None else [float(h) for h in opt._engine_hyper(group if lr is None else
-                                                                                   {**group, "lr": 0.0})]
-        calls.append((b, hyper, lr))
+        group = group_of(groups, b)
+        hyper, lr = kernels.hyper_and_lr(spec, group, b.device)
+        calls.append((group, None if b.held is None else [float(h) for h in hyper], lr))
     unheld = {}  # the buckets without a held list (32-bit Adam, plain SGD): their ordinary step, on Python lists
     for i, b in enumerate(buckets):
         if b.held is None:
@@ -84,10 +78,11 @@ def fast_step(opt: "QuantizedOptimizer", plan) -> bool:
             return False
 
     def step_bucket(i, b, scale, inf):
+        group, hyper, lr = calls[i]
         if b.held is None:
-            opt._step_bucket(opt._group_of(b), b, b.params, unheld[i], True, scale, inf)
+            executor.step_bucket(spec, pager, group, b, b.params, unheld[i], True, scale, inf)
         else:
-            b.held.step_gathered(calls[i][1], scale, inf, calls[i][2])
+            b.held.step_gathered(hyper, scale, inf, lr)
 
-    opt._count_and_step(plan, step_bucket)
+    executor.count_and_step(pager, plan, step_bucket, getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None))
     return True

@@ -133,18 +133,18 @@ class PagerControl:
         """Bytes held by optimizer state tensors (codes, absmax, 32-bit moments, steps)."""
         return optimizer_state_bytes(self)
 
-    def _check_fits_device_buffer(self, config: dict, p: torch.Tensor, gi: int, pi: int) -> None:
+    def check_fits_device_buffer(self, config: dict, p: torch.Tensor, gi: int, pi: int) -> None:
         """Host-resident states stream a parameter's states in one piece: they must fit the device
         buffer. Checked before the states are made, so a refused step changes nothing."""
         state = self.state.get(p, {})
-        keys = self.algorithm.state_keys + self.algorithm.absmax_keys
+        keys = self.algorithm.memory_keys
         if any(isinstance(state.get(k), torch.Tensor) for k in keys):
             nbytes = sum(state[k].numel() * state[k].element_size() for k in keys if isinstance(state.get(k), torch.Tensor))
-        elif not self._needs_states(config):
+        elif not self.algorithm.needs_states(config):
             return
         else:
             local = sharding.local(p)
-            eight_bit = self._uses_8bit(config, p)
+            eight_bit = self.uses_8bit(config, p)
             blocks = (local.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
             nbytes = sum(math.prod(spec.shape(local.shape)) * (1 if eight_bit else 4)
                          + (4 * math.prod(spec.absmax_shape(blocks)) if eight_bit else 0)

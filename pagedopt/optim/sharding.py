@@ -18,7 +18,7 @@ from ..quant import STATE_BLOCK_SIZE
 from .state_keys import ABSMAX_LAYOUT_KEY, TORCH_MOMENT_KEYS, refuse
 
 if TYPE_CHECKING:
-    from .algorithm import AlgorithmSpec
+    from .algorithms.spec import AlgorithmSpec
 
 
 def dtensor_class():

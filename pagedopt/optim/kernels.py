@@ -1,0 +1,201 @@
+"""The kernel functionals: what updates one chunk of a bucket, chosen at plan time by the bucket's
+``kernel`` (plan.py):
+
+* ``ENGINE``: the generic engine op (``quantized_step_``; 8-bit or 32-bit states, any algorithm
+  with a functor in csrc/include/pagedopt/algorithms/), or ``quantized_step_list_`` on the states a
+  bucket holds in C++;
+* ``FUSED32``: torch's fused kernel for 32-bit states (Adam/AdamW: ``spec.fused32``), on fp32
+  copies of 16-bit parameters;
+* ``STATELESS``: plain SGD (momentum 0), in torch ops.
+
+Norm-scaled algorithms (LARS, LAMB: ``spec.norm_scaled``) first compute each tensor's update norm
+with the engine's ``quantized_update_norm_`` and pass per-tensor scales to the same op.
+
+``hyper_and_lr`` is where a group's settings become the op's arguments: a tensor lr on the
+parameters' device is read by the kernel (``lr``), a float one goes in ``hyper``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _ops
+from .algorithms.spec import AlgorithmSpec
+from .plan import Bucket
+from .residency import Chunk, write_back
+from .sharding import is_dtensor
+
+# fp32 copies of 16-bit params and grads for torch's fused 32-bit step: at most this many elements
+# at a time (2 x 4 bytes each: 64 MiB), tensors cut at multiples of FP32_COPY_ALIGN elements (torch's
+# fused CPU kernel updates whole SIMD vectors and a scalar remainder, which round differently: cuts
+# there keep every element on the path it takes in the whole tensor)
+FP32_COPY_NUMEL = 8 << 20
+FP32_COPY_ALIGN = 1024
+
+
+def lr_tensor(group: dict, device: torch.device) -> Optional[torch.Tensor]:
+    """The group's lr when the kernels can read it on ``device`` (a tensor there), else None (a
+    float lr, or a tensor elsewhere, which the step reads on the host)."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.device == device:
+        return lr
+    return None
+
+
+def hyper_and_lr(spec: AlgorithmSpec, group: dict, device: torch.device) -> tuple[list, Optional[torch.Tensor]]:
+    """The op's ``hyper`` list for ``group`` and the lr tensor the kernel reads instead of hyper[0]
+    (None: hyper[0] is the lr)."""
+    lr = lr_tensor(group, device)
+    return spec.hyper(group if lr is None else {**group, "lr": 0.0}), lr
+
+
+def engine_step(spec: AlgorithmSpec, bucket: Bucket, chunk: Chunk, hyper: list, lr, grad_scale, found_inf,
+                scales: Optional[torch.Tensor] = None) -> None:
+    lists = chunk.lists
+    absmax = [lists[k] for k in spec.absmax_keys] if bucket.eight_bit else []
+    _ops.quantized_step_(spec.engine, chunk.work_params, chunk.work_grads, [lists[k] for k in spec.state_keys], absmax,
+                         lists["step"], bucket.qmaps(spec), hyper, grad_scale=grad_scale, found_inf=found_inf,
+                         scales=scales, lr=lr)
+
+
+def fused32_step(spec: AlgorithmSpec, group: dict, chunk: Chunk, lr, grad_scale, found_inf) -> None:
+    """32-bit states updated by torch's fused Adam/AdamW kernel (CPU and CUDA), on plain (local) tensors."""
+    state1, state2, steps = chunk.lists["state1"], chunk.lists["state2"], chunk.lists["step"]
+    work_params, work_grads = chunk.work_params, chunk.work_grads
+    beta1, beta2 = group["betas"]
+    fused = getattr(torch, spec.fused32)
+    if lr is not None and lr.dtype != torch.float32:
+        lr = lr.float()  # torch's fused kernel reads a float32 lr tensor
+    hyper = dict(lr=float(group["lr"]) if lr is None else lr, beta1=float(beta1), beta2=float(beta2),
+                 weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), amsgrad=False,
+                 maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+    if work_params[0].dtype == torch.float32:
+        fused(work_params, work_grads, state1, state2, [], steps, **hyper)
+        return
+    # torch's fused kernel wants params, grads and states of one dtype, and the states stay fp32:
+    # it runs on fp32 copies of the params and grads, made a run of at most FP32_COPY_NUMEL
+    # elements at a time (the update is elementwise, so a tensor may be cut into flat ranges), so
+    # that the copies never cost more than a few MiB of memory.
+    for run in flat_runs([w.numel() for w in work_params], FP32_COPY_NUMEL, FP32_COPY_ALIGN):
+        views = flat_parts(work_params, run)
+        run_params = [x.float() for x in views]
+        fused(run_params, [x.float() for x in flat_parts(work_grads, run)], flat_parts(state1, run),
+              flat_parts(state2, run), [], [steps[i] for i, _, _ in run], **hyper)
+        write_back(views, run_params)
+
+
+def plain_sgd(group: dict, params, grads, grad_scale, found_inf) -> None:
+    """Plain SGD (torch.optim.SGD with momentum = 0): p -= lr * (g + weight_decay * p), in fp32;
+    GradScaler's found_inf keeps every parameter as it was (torch.where: no host synchronisation)."""
+    lr_t = lr_tensor(group, params[0].device) if params else None  # read on the device (capturable)
+    lr, wd = (0.0 if lr_t is not None else float(group["lr"])), float(group["weight_decay"])
+    inv_scale = None if grad_scale is None else grad_scale.reciprocal()  # exact for GradScaler's powers of two
+    for p, g in zip(params, grads):
+        g32 = g.float()
+        if inv_scale is not None:
+            g32 = g32 * inv_scale
+        p32 = p.float()
+        if wd != 0:
+            g32 = g32.add(p32, alpha=wd)
+        new = p32.add(g32, alpha=-lr) if lr_t is None else torch.addcmul(p32, g32, lr_t, value=-1)
+        if found_inf is not None:
+            new = torch.where(found_inf > 0, p32, new)
+        p.copy_(new)
+
+
+def step_chunk(spec: AlgorithmSpec, bucket: Bucket, group: dict, chunk: Chunk, grad_scale, found_inf,
+               squares: Optional[torch.Tensor] = None) -> None:
+    """One chunk of a bucket updated by the bucket's kernel; its contiguous copies written back.
+    Norm-scaled algorithms take the chunk's ``squares`` (update_squares) when given (a sharded
+    bucket's, reduced over the shards), else compute them from the chunk."""
+    hyper, lr = hyper_and_lr(spec, group, bucket.device)
+    if bucket.kernel == "fused32":
+        fused32_step(spec, group, chunk, lr, grad_scale, found_inf)
+    elif spec.norm_scaled:
+        if squares is None:
+            squares = update_squares(spec, bucket, chunk, hyper, lr, grad_scale)
+        scales = norm_scales(squares, float(group["max_unorm"]), chunk.lists["unorm_vec"])
+        engine_step(spec, bucket, chunk, hyper, lr, grad_scale, found_inf, scales)
+    else:
+        engine_step(spec, bucket, chunk, hyper, lr, grad_scale, found_inf)
+    if chunk.work_params is not chunk.params:
+        write_back(chunk.params, chunk.work_params)
+
+
+# ------------------------------------------------------------------ norm-scaled (LARS, LAMB)
+def update_squares(spec: AlgorithmSpec, bucket: Bucket, chunk: Chunk, hyper: list, lr, grad_scale) -> torch.Tensor:
+    """(n, 2) float64: each tensor's sum of squares of its update direction and of its values."""
+    lists, work_params = chunk.lists, chunk.work_params
+    absmax = [lists[k] for k in spec.absmax_keys] if bucket.eight_bit else []
+    squares = torch.empty((len(work_params), 2), dtype=torch.float64, device=work_params[0].device)
+    norms = torch.empty(len(work_params), dtype=torch.float64, device=work_params[0].device)
+    _ops.quantized_update_norm_(spec.engine, work_params, chunk.work_grads, [lists[k] for k in spec.state_keys],
+                                absmax, lists["step"], bucket.qmaps(spec), hyper, norms, grad_scale=grad_scale, lr=lr)
+    squares[:, 0] = norms
+    squares[:, 1] = torch.stack(torch._foreach_norm(work_params, 2, dtype=torch.float64)).square()
+    return squares
+
+
+def norm_scales(squares: torch.Tensor, max_unorm: float, unorm_vec: list) -> torch.Tensor:
+    """Each tensor's scale min(1, max_unorm * ||p|| / ||u||) (1 when max_unorm = 0), ||u|| stored
+    in its ``unorm_vec``."""
+    unorm, pnorm = squares[:, 0].sqrt(), squares[:, 1].sqrt()
+    limit = max_unorm * pnorm
+    scales = torch.where((unorm > limit) & (max_unorm > 0), limit / unorm, torch.ones_like(unorm)).float()
+    torch._foreach_copy_(unorm_vec, list(unorm.float().unsqueeze(1)))
+    return scales
+
+
+def sum_over_shards(params: list, squares: torch.Tensor) -> None:
+    """``squares[i]``: the shard of ``params[i]``'s sums of squares; for each DTensor parameter,
+    summed in place over every mesh dimension it is sharded on (one all_reduce per mesh dimension
+    and group of parameters, in parameter order: the same calls on every rank)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    groups: dict = {}
+    for i, p in enumerate(params):
+        if is_dtensor(p):
+            for dim, placement in enumerate(p.placements):
+                if isinstance(placement, Shard):
+                    groups.setdefault((p.device_mesh, dim), []).append(i)
+    for (mesh, dim), index in groups.items():
+        part = squares[index]
+        dist.all_reduce(part, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        squares[index] = part
+
+
+# ------------------------------------------------------------------ flat runs (fp32 copies)
+def flat_runs(numels: list[int], max_numel: int, align: int = 1) -> list[list[tuple[int, int, int]]]:
+    """Runs of at most ``max_numel`` elements over the concatenation of tensors of ``numels``
+    elements, in order: each run a list of (tensor index, start, end) of flat element ranges. A
+    tensor that does not fit the rest of a run is cut, for elementwise updates, at multiples of
+    ``align`` elements from its start (a kernel that treats a vector-width remainder differently
+    then sees the same remainders as on the whole tensor); ``max_numel`` must be a multiple of
+    ``align``."""
+    if max_numel < align or max_numel % align:
+        raise ValueError(f"max_numel ({max_numel}) must be a positive multiple of align ({align})")
+    runs, current, room = [], [], max_numel
+    for i, n in enumerate(numels):
+        start = 0
+        while start < n:
+            take = n - start if n - start <= room else room // align * align
+            if take == 0:  # less than `align` left in this run: the tensor goes on in the next one
+                runs.append(current)
+                current, room = [], max_numel
+                continue
+            current.append((i, start, start + take))
+            start += take
+            room -= take
+            if room == 0:
+                runs.append(current)
+                current, room = [], max_numel
+    if current:
+        runs.append(current)
+    return runs
+
+
+def flat_parts(tensors: list[torch.Tensor], run: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+    """The flat views of ``tensors`` (contiguous) that a run of flat_runs names."""
+    return [tensors[i].view(-1)[start:end] for i, start, end in run]

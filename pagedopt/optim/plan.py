@@ -1,0 +1,142 @@
+"""The step plan: the buckets of a set of parameters with gradients, built once and reused while
+the parameters, the param groups and the state stay the same.
+
+A bucket is one kernel call's worth of parameters: same group, device, dtype, state width,
+codebooks and per-parameter overrides. It names its state lists by key (``lists["state1"]``,
+``lists["absmax1"]``, ``lists["step"]``), and says which kernel functional updates it
+(``kernel``: kernels.py). ``is_current`` is the one test of whether a plan still fits.
+
+Making a plan makes the states of parameters that have none, as a transaction: every new state
+tensor is allocated before any is stored, so that running out of memory part way (a
+``torch.OutOfMemoryError``) leaves ``optimizer.state`` as it was.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from . import sharding
+from .algorithms.spec import AlgorithmSpec
+from .state_table import StateTable
+from .step_counters import share_step_counters
+
+ENGINE, FUSED32, STATELESS = "engine", "fused32", "stateless"
+
+
+class Bucket(NamedTuple):
+    gi: int
+    device: torch.device
+    eight_bit: bool
+    stateful: bool             # False: the parameters have no state but `step` (plain SGD)
+    index: list[int]           # positions in step()'s list of parameters with gradients
+    params: list[torch.Tensor]
+    states: list[dict]
+    lists: dict                # key -> one tensor per parameter, for each key of spec.call_keys
+    held: Any                  # the same lists held by a C++ QuantizedStateList, or None
+    override: dict             # GlobalOptimManager settings over the group's (lr, betas, eps, weight_decay)
+    kernel: str                # ENGINE, FUSED32 or STATELESS (kernels.py)
+
+    def qmaps(self, spec: AlgorithmSpec) -> list:
+        """The codebooks of an 8-bit bucket, in the order of the spec's states (empty: 32-bit)."""
+        return [self.states[0][q] for q in spec.qmap_keys] if self.eight_bit else []
+
+
+class StepPlan(NamedTuple):
+    key: tuple
+    buckets: list[Bucket]
+    steps_by_device: dict      # device -> its parameters' step counters (step_counters.py)
+    sharded: bool              # some parameter is a DTensor: kernels run on local shards
+    fast: bool                 # the fast step may run the next steps (held lists over every parameter)
+
+
+def plan_key(state: StateTable, version: int, params: list) -> tuple:
+    return (id(state), state.version, version, tuple(map(id, params)))
+
+
+def is_current(plan: Optional[StepPlan], state, version: int, param_ids: Optional[tuple] = None) -> bool:
+    """Whether ``plan`` still fits the optimizer's ``state`` (same table, unchanged), its param
+    groups (``version``) and, when given, the ids of the parameters with gradients in order."""
+    if plan is None or not isinstance(state, StateTable):
+        return False
+    key = plan.key
+    if key[0] != id(state) or key[1] != state.version or key[2] != version:
+        return False
+    return param_ids is None or key[3] == param_ids
+
+
+def group_of(param_groups: list[dict], bucket: Bucket) -> dict:
+    """The settings a bucket steps with: its group's, with its GlobalOptimManager overrides."""
+    group = param_groups[bucket.gi]
+    return {**group, **bucket.override} if bucket.override else group
+
+
+def kernel_of(spec: AlgorithmSpec, eight_bit: bool, stateful: bool) -> str:
+    if not stateful:
+        return STATELESS
+    return FUSED32 if spec.fused32 is not None and not eight_bit else ENGINE
+
+
+def hold_states(spec: AlgorithmSpec, lists: dict, first_state: dict, eight_bit: bool):
+    """The bucket's state lists held by the C++ side, so that a step passes only parameters and
+    gradients (see quantized_state_list.h); ``first_state`` gives the codebooks."""
+    return torch.classes.pagedopt.QuantizedStateList(
+        spec.engine, [t for k in spec.state_keys for t in lists[k]],
+        [t for k in spec.absmax_keys for t in lists[k]] if eight_bit else [], lists["step"],
+        [first_state[q] for q in spec.qmap_keys] if eight_bit else [])
+
+
+def build_plan(spec: AlgorithmSpec, param_groups: list[dict], state: StateTable, version: int,
+               params: list[torch.Tensor], overrides: dict, new_state: Callable[[dict, torch.Tensor, dict], dict],
+               check_new: Optional[Callable[[dict, torch.Tensor, int, int], None]] = None,
+               streamed: bool = False) -> StepPlan:
+    """The plan of ``params`` (the parameters with gradients, in order). ``overrides``: (group,
+    index) -> GlobalOptimManager settings; ``new_state(config, p, existing)``: ``p``'s state dict
+    made complete (a new dict: ``existing`` is not changed), or None when it is; ``check_new(config,
+    p, gi, pi)`` refuses a parameter before anything is made (host residency's buffer);
+    ``streamed``: states stream from the host, so no bucket holds device lists."""
+    index_of = {id(p): (gi, pi) for gi, group in enumerate(param_groups) for pi, p in enumerate(group["params"])}
+    configs = []
+    for p in params:
+        gi, pi = index_of[id(p)]
+        override = overrides.get((gi, pi), {})
+        config = {**param_groups[gi], **override} if override else param_groups[gi]
+        if check_new is not None:
+            check_new(config, p, gi, pi)
+        configs.append((gi, override, config))
+    # the transaction: every missing state is made first, then all are stored at once
+    made = {}
+    for p, (_, _, config) in zip(params, configs):
+        complete = new_state(config, p, state[p] if p in state else {})
+        if complete is not None:
+            made[p] = complete
+    for p, complete in made.items():
+        state[p] = complete
+
+    first_key = spec.states[0].key
+    members: dict[tuple, list[int]] = defaultdict(list)
+    for i, (p, (gi, override, _)) in enumerate(zip(params, configs)):
+        st = state[p]
+        stateful = first_key in st
+        eight_bit = stateful and st[first_key].dtype == torch.uint8
+        codebooks = tuple(id(st[q]) for q in spec.qmap_keys) if eight_bit else None
+        setting = tuple(sorted((k, v) for k, v in override.items() if k not in ("optim_bits", "min_8bit_size")))
+        members[(gi, p.device, p.dtype, eight_bit, stateful, codebooks, setting)].append(i)
+    on_device: dict[torch.device, list[dict]] = defaultdict(list)
+    for (_, device, *_), index in members.items():
+        on_device[device] += [state[params[i]] for i in index]
+    # before the state lists are held: they take the shared counters (step_counters.py)
+    steps_by_device = {device: share_step_counters(states, device) for device, states in on_device.items()}
+    buckets = []
+    for (gi, device, _, eight_bit, stateful, _, setting), index in members.items():
+        bucket_params = [params[i] for i in index]
+        states = [state[p] for p in bucket_params]
+        lists = {k: [s[k] for s in states] for k in spec.call_keys(eight_bit, stateful)}
+        kernel = kernel_of(spec, eight_bit, stateful)
+        # held in C++ where one call does the whole bucket (not streamed states, nor a norm pass first)
+        held = (hold_states(spec, lists, states[0], eight_bit) if kernel == ENGINE and not streamed
+                and not spec.norm_scaled else None)
+        buckets.append(Bucket(gi, device, eight_bit, stateful, index, bucket_params, states, lists, held,
+                              dict(setting), kernel))
+    return StepPlan(plan_key(state, version, params), buckets, steps_by_device, sharding.has_dtensor(params), False)

@@ -1,0 +1,101 @@
+"""Residency: where a bucket's states are while it is updated, behind one small protocol. For
+each bucket, ``chunks(pager, keys, bucket, params, grads, contiguous)`` yields the chunks to update
+in order, each with the state lists to update it with (``Chunk.lists``, named by key):
+
+* resident (no pager, or every paged state on the GPU): the whole bucket at once;
+* staged (a PageManager whose states are not all resident, e.g. under a device budget): chunks of
+  about ``CHUNK_BYTES`` of state that the pager pages in ahead of their update;
+* streamed (a pager with ``streams_states``, HostResidentPager): chunks whose state lists hold
+  device views that the pager copies in before and back after each chunk's update.
+
+Non-contiguous parameters go through contiguous copies that are written back (``write_back``).
+The pagers know nothing of optimizers: they see lists of tensors.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# Paged steps are split into chunks of about this many state bytes, so that paging in the
+# next chunk overlaps the update of the current one.
+CHUNK_BYTES = 64 << 20
+
+
+class Chunk(NamedTuple):
+    params: list          # the parameters (or local shards) updated
+    work_params: list     # the same, or their contiguous copies (written back after the update)
+    work_grads: list
+    lists: dict           # key -> the chunk's state tensors (device views of streamed ones)
+
+
+def contiguous_views(params: list[torch.Tensor], grads: list[torch.Tensor]):
+    """Kernels need contiguous tensors; a non-contiguous parameter is updated through a
+    contiguous copy that is written back afterwards (write_back)."""
+    work_params = [p if p.is_contiguous() else p.contiguous() for p in params]
+    work_grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+    return work_params, work_grads
+
+
+def write_back(params: list[torch.Tensor], work_params: list[torch.Tensor]) -> None:
+    for p, w in zip(params, work_params):
+        if w is not p:
+            p.copy_(w)
+
+
+def all_resident(pager) -> bool:
+    """Whether every state is on its device now (no pager, or a pager that says so)."""
+    return pager is None or pager.all_resident()
+
+
+def streams_states(pager) -> bool:
+    """Whether the pager keeps states on the host and streams them through a device buffer."""
+    return getattr(pager, "streams_states", False)
+
+
+def make_chunk(params, grads, lists: dict, contiguous: bool) -> Chunk:
+    if contiguous:
+        return Chunk(params, params, grads, lists)
+    work_params, work_grads = contiguous_views(params, grads)
+    return Chunk(params, work_params, work_grads, lists)
+
+
+def _state_bytes(state: dict, keys) -> int:
+    return sum(state[k].numel() * state[k].element_size() for k in keys if k in state)
+
+
+def chunks(pager, keys, bucket, params: list[torch.Tensor], grads: list[torch.Tensor], contiguous: bool,
+           chunk_bytes: int = CHUNK_BYTES):
+    """The bucket's chunks in the order they are to be updated (see the module). ``keys``: the
+    state keys that take memory (what the pager stages); ``params``/``grads``: the bucket's
+    (local shards of DTensor parameters)."""
+    from ..paging import split_by_bytes
+
+    states, lists = bucket.states, bucket.lists
+    if streams_states(pager):
+        yield from _streamed(pager, keys, states, lists, params, grads, contiguous, chunk_bytes)
+        return
+    if all_resident(pager):
+        yield make_chunk(params, grads, lists, contiguous)
+        return
+    positions = split_by_bytes(list(range(len(states))), lambda j: _state_bytes(states[j], keys), chunk_bytes)
+    for i in pager.stage([[states[j][k] for j in chunk for k in keys if k in states[j]] for chunk in positions]):
+        chunk = positions[i]
+        yield make_chunk([params[j] for j in chunk], [grads[j] for j in chunk],
+                         {k: [lst[j] for j in chunk] for k, lst in lists.items()}, contiguous)
+
+
+def _streamed(pager, keys, states: list[dict], lists: dict, params, grads, contiguous: bool, chunk_bytes: int):
+    """Chunks of host-resident states streamed through the pager's device buffer: each chunk's
+    state tensors are swapped for the device views that ``pager.stream`` hands out (their contents
+    are copied back after the chunk's update, when the caller asks for the next chunk)."""
+    from ..paging import split_by_bytes
+
+    chunk_bytes = min(chunk_bytes, max(pager.device_buffer_bytes // 3, 1))
+    positions = split_by_bytes(list(range(len(states))), lambda j: _state_bytes(states[j], keys), chunk_bytes)
+    groups = [[states[j][k] for j in chunk for k in keys if k in states[j]] for chunk in positions]
+    for i, views in pager.stream(params[0].device, groups):
+        chunk = positions[i]
+        view_of = {id(t): v for t, v in zip(groups[i], views)}
+        yield make_chunk([params[j] for j in chunk], [grads[j] for j in chunk],
+                         {k: [view_of.get(id(lst[j]), lst[j]) for j in chunk] for k, lst in lists.items()}, contiguous)
