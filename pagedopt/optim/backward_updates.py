@@ -40,67 +40,12 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _ops
-from ..paging.host_resident import _aligned
-from ..quant import STATE_BLOCK_SIZE
 from . import kernels
+from .backward_schedule import Run, cut_into_chunks
 from .grad_checks import locate, raise_bad_grad
 from .plan import group_of
 from .residency import make_chunk
 from .update_worker import UpdateWorker
-
-# Pieces of a cut parameter start at multiples of this many elements: whole 256-element blocks of
-# 8-bit states, and whole vectors of torch's fused 32-bit CPU kernel (see kernels.FP32_COPY_ALIGN)
-CUT_ALIGN = 1024
-
-
-class _Piece:
-    """What a chunk updates of one parameter (position ``j`` in its bucket): all of it
-    (``start`` None) or the flat elements [start, end), whole blocks; ``host``: the host state
-    tensors (or their flat ranges) that the pager moves for it."""
-
-    __slots__ = ("j", "start", "end", "host", "by_key", "nbytes")
-
-    def __init__(self, j: int, start, end, by_key: dict):
-        self.j, self.start, self.end, self.by_key = j, start, end, by_key
-        self.host = list(by_key.values())
-        self.nbytes = sum(_aligned(t.numel() * t.element_size()) for t in self.host)
-
-
-def _pieces(j: int, p: torch.Tensor, state: dict, keys: tuple, limit: int, cuttable: bool) -> list:
-    """``p``'s state in pieces of at most ``limit`` bytes of whole blocks (one piece when it fits,
-    or cannot be cut: stacked moments, a non-contiguous parameter)."""
-    host = {k: state[k] for k in keys if k in state}
-    whole = _Piece(j, None, None, host)
-    n = p.numel()
-    if not cuttable or whole.nbytes <= limit or not p.is_contiguous():
-        return [whole]
-    per_element = sum(t.element_size() for k, t in host.items() if k.startswith("state"))
-    step = max(limit // max(per_element, 1) // CUT_ALIGN * CUT_ALIGN, CUT_ALIGN)
-    out = []
-    for a in range(0, n, step):
-        b = min(a + step, n)
-        by_key = {}
-        for k, t in host.items():
-            if k.startswith("absmax"):
-                by_key[k] = t.view(-1)[a // STATE_BLOCK_SIZE:(b + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE]
-            else:
-                by_key[k] = t.view(-1)[a:b]
-        out.append(_Piece(j, a, b, by_key))
-    return out
-
-
-class _Run:
-    """One device's chunks in one step: the pager pass that copies them in, and how far it got."""
-
-    __slots__ = ("chunks", "pass_", "waiting", "next", "queued")
-
-    def __init__(self, chunks: list, pass_):
-        self.chunks = chunks            # [(parts, ids)]: parts [(bucket index, positions)], ids of the params
-        self.pass_ = pass_
-        self.waiting = [len(ids) for _, ids in chunks]  # gradients each chunk still waits for
-        self.next = 0                   # the next chunk to update
-        self.queued = 0                 # the next chunk to hand out (to the worker: it may be ahead of next)
-
 
 def refuse_unsupported(opt) -> None:
     """Raise a ValueError, before anything changes, where updates in backward cannot be right."""
@@ -161,7 +106,7 @@ class BackwardUpdates:
         self._plan = None                     # the optimizer's step plan the schedule was made from
         self._schedule: Optional[dict] = None  # device -> [(parts, ids)]
         self._chunk_of: dict[int, list] = {}  # id(param) -> [(device, chunk index)] (pieces: several)
-        self._runs: Optional[dict] = None     # device -> _Run of the coming step
+        self._runs: Optional[dict] = None     # device -> Run of the coming step
         self._counted: set[int] = set()       # params whose gradient counted towards a chunk this step
         self._updated: set[int] = set()       # params updated this step
         self._checked = False                 # the schedule was checked against the optimizer this step
@@ -282,33 +227,10 @@ class BackwardUpdates:
                 return  # not a paged optimizer's bucket: leave everything to step()
             for j, p in enumerate(b.params):
                 position[id(p)] = (bi, j)
-        order = [pid for pid in arrived if pid in position]
-        seen = set(order)
-        order += [pid for pid in position if pid not in seen]  # gradients not from a hook: updated in step()
-        spec = opt.algorithm
         limit = max(opt.pager.device_buffer_bytes // self.chunks_per_buffer, 1)
-        # a parameter whose states exceed a chunk is cut into pieces of whole blocks, each a chunk's
-        # worth (updates are elementwise within 256-element blocks), so that the largest tensors
-        # (embeddings, heads) stream like the rest; not for stacked moments (AdEMAMix's state1), nor
-        # for updates scaled by each tensor's whole norm (LARS, LAMB)
-        cuttable = all(s.moments == 1 for s in spec.states) and not spec.norm_scaled
-        schedule: dict = {}
-        sizes: dict = {}
-        for pid in order:
-            bi, j = position[pid]
-            b = plan.buckets[bi]
-            for piece in _pieces(j, b.params[j], b.states[j], spec.memory_keys, limit, cuttable):
-                chunks = schedule.setdefault(b.device, [])
-                if not chunks or (sizes[b.device] + piece.nbytes > limit and chunks[-1][1]):
-                    chunks.append(({}, []))
-                    sizes[b.device] = 0
-                parts, ids = chunks[-1]
-                parts.setdefault(bi, []).append(piece)  # one fused call per bucket in a chunk
-                ids.append(pid)
-                sizes[b.device] += piece.nbytes
+        schedule = cut_into_chunks(opt.algorithm, plan, arrived, position, limit)
         self._plan = plan
-        self._schedule = {device: [(list(parts.items()), ids) for parts, ids in chunks]
-                          for device, chunks in schedule.items()}
+        self._schedule = schedule
         # laid out once: each step's pass reuses the layouts and the device views
         self._pass_plans = {device: opt.pager.plan_pass(self._groups(chunks))
                             for device, chunks in self._schedule.items()}
@@ -327,7 +249,7 @@ class BackwardUpdates:
         """The coming step's pager passes: their first copies in start now."""
         depth = self.chunks_per_buffer - 1
         copies = self.copy_trace
-        self._runs = {device: _Run(chunks, opt.pager.open_pass(device, self._pass_plans[device], depth,
+        self._runs = {device: Run(chunks, opt.pager.open_pass(device, self._pass_plans[device], depth,
                                                                 trace=copies))
                       for device, chunks in self._schedule.items()}
 
@@ -339,7 +261,7 @@ class BackwardUpdates:
             self._streams[device] = torch.cuda.Stream(device, priority=self.stream_priority)
         return self._streams[device]
 
-    def _release_chunk(self, opt, device: torch.device, run: _Run) -> None:
+    def _release_chunk(self, opt, device: torch.device, run: Run) -> None:
         """Chunk ``run.queued`` has all its gradients: update it now, or (``update_thread``) check
         its gradients here, mark them ready on the current stream and queue the rest for the worker."""
         k = run.queued
@@ -359,7 +281,7 @@ class BackwardUpdates:
             self._worker = UpdateWorker()
         self._worker.submit(self._update_chunk, opt, device, run, k, self._plan, ready, verdicts)
 
-    def _check_chunk(self, opt, run: _Run, k: int) -> list:
+    def _check_chunk(self, opt, run: Run, k: int) -> list:
         """The gradients of chunk k's parts checked (a ValueError names a bad one); their verdicts."""
         verdicts = []
         for bi, pieces in run.chunks[k][0]:
@@ -378,7 +300,7 @@ class BackwardUpdates:
                          "updated earlier in this backward keep their update; call zero_grad() and go on, "
                          "or load a checkpoint)") from None
 
-    def _update_chunk(self, opt, device: torch.device, run: _Run, k: int, plan, ready=None,
+    def _update_chunk(self, opt, device: torch.device, run: Run, k: int, plan, ready=None,
                       verdicts: Optional[list] = None) -> None:
         """Update chunk k (``run.next``) on the update stream, after the work queued so far (or,
         from the worker, after ``ready``), with the gradients its parameters have now (those

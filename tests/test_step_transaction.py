@@ -1,0 +1,151 @@
+"""A step is a transaction: running out of memory while a first step makes the states leaves the
+optimizer as it was, and the same step repeated once memory is free gives, bit for bit, the result
+of a run that never failed. Also two behaviours the step pipeline must keep that no other test pins:
+Lion's zero update where the interpolated direction is exactly zero (embedding rows no token
+touched) and the counters of a plan whose parameters do not all have tensor step counters."""
+import copy
+
+import pytest
+import torch
+
+import pagedopt
+
+# (class, constructor kwargs): every kernel kind of the pipeline (engine 8-bit and 32-bit, torch's
+# fused 32-bit, stateless SGD, a norm pass first, stacked moments)
+CASES = [
+    (pagedopt.AdamW8bit, {}),
+    (pagedopt.AdamW32bit, {}),
+    (pagedopt.Lion8bit, {}),
+    (pagedopt.AdEMAMix8bit, {}),
+    (pagedopt.SGD8bit, {"lr": 0.01, "momentum": 0.9}),
+    (pagedopt.LAMB8bit, {}),
+    (pagedopt.PagedAdamW8bit, {}),
+]
+
+
+def _params(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    # two 8-bit-sized tensors and one small (32-bit states): several allocations per parameter
+    shapes = [(64, 80), (100,), (4096 + 7,)]
+    return [torch.randn(s, generator=g).requires_grad_(True) for s in shapes]
+
+
+def _grads(params: list[torch.Tensor], step: int) -> None:
+    g = torch.Generator().manual_seed(1000 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def _snapshot(opt, params) -> tuple:
+    states = {i: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[p].items()}
+              for i, p in enumerate(params) if p in opt.state}
+    return [p.detach().clone() for p in params], states
+
+
+class _OutOfMemoryAt:
+    """An allocator for the optimizer's state tensors that raises torch.OutOfMemoryError at its
+    ``n``-th call (as the CUDA caching allocator does when a state does not fit)."""
+
+    def __init__(self, real, n: int):
+        self.real, self.n, self.calls = real, n, 0
+
+    def __call__(self, shape, dtype, device):
+        self.calls += 1
+        if self.calls == self.n:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+        return self.real(shape, dtype, device)
+
+
+@pytest.mark.filterwarnings("ignore::pagedopt.paging.PagingFallbackWarning")
+@pytest.mark.parametrize("cls,kwargs", CASES, ids=[c.__name__ for c, _ in CASES])
+@pytest.mark.parametrize("fail_at", [1, 2, 5])
+def test_running_out_of_memory_while_making_states_changes_nothing(cls, kwargs, fail_at):
+    params = _params(0)
+    opt = cls(params, **kwargs)
+    twin_params = [p.detach().clone().requires_grad_(True) for p in params]
+    twin = cls(twin_params, **kwargs)
+
+    _grads(params, 0)
+    before_params, before_states = _snapshot(opt, params)
+    injected = _OutOfMemoryAt(opt.state_zeros, fail_at)
+    opt.state_zeros = injected
+    with pytest.raises(torch.OutOfMemoryError):
+        opt.step()
+    assert injected.calls == fail_at  # the failure happened where it was injected
+    del opt.state_zeros  # memory is free again
+    after_params, after_states = _snapshot(opt, params)
+    for b, a in zip(before_params, after_params):
+        assert torch.equal(a, b)  # no parameter was updated
+    assert after_states == before_states == {}  # no half-made state left behind
+    assert all(len(opt.state[p]) == 0 for p in params)
+    opt.state_dict()  # a checkpoint can still be written
+
+    # the same step repeated, then one more: bit for bit the run that never failed
+    for step in range(2):
+        if step:
+            _grads(params, step)
+        _grads(twin_params, step)
+        opt.step()
+        twin.step()
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+    for p, q in zip(params, twin_params):
+        s, t = opt.state[p], twin.state[q]
+        assert s.keys() == t.keys()
+        for k in s:
+            if isinstance(s[k], torch.Tensor):
+                assert torch.equal(s[k], t[k]), k
+
+
+@pytest.mark.parametrize("cls", [pagedopt.Lion8bit, pagedopt.Lion32bit, pagedopt.Lion])
+def test_lion_leaves_rows_alone_whose_interpolated_update_is_exactly_zero(cls):
+    """An embedding's rows that no token touched have zero gradient and, on the first step, zero
+    momentum: Lion's direction sign(beta1 * m + (1 - beta1) * g) is sign(0) = 0 there, so with no
+    weight decay those rows must stay bit for bit as they were (a sign taken as +-1 would move them
+    by lr), while every touched row moves by exactly lr per element (|sign| = 1)."""
+    torch.manual_seed(0)
+    emb = torch.randn(64, 80).requires_grad_(True)  # 5120 elements: 8-bit states for Lion8bit
+    lr = 1e-3
+    opt = cls([emb], lr=lr, weight_decay=0.0)
+    touched = torch.zeros(64, dtype=torch.bool)
+    touched[::3] = True
+    for step in range(3):
+        before = emb.detach().clone()
+        grad = torch.randn(64, 80) + 0.5  # no exact zeros in touched rows
+        grad[~touched] = 0.0
+        emb.grad = grad
+        opt.step()
+        assert torch.equal(emb.detach()[~touched], before[~touched]), f"step {step}: untouched rows moved"
+        # the touched rows moved by lr per element: |p' - p| = lr up to float32 rounding of p - lr
+        # (one rounding of a value |p| < 8: at most 2**-21, far below lr = 1e-3)
+        moved = (emb.detach()[touched] - before[touched]).abs()
+        assert torch.allclose(moved, torch.full_like(moved, lr), rtol=0, atol=2 ** -20), f"step {step}"
+        if step == 0:
+            # the rows stay untouched in later steps too: their momentum stayed exactly zero
+            state1 = opt.state[emb]["state1"]
+            if state1.dtype == torch.float32:
+                assert torch.count_nonzero(state1[~touched]) == 0
+
+
+@pytest.mark.filterwarnings("ignore::pagedopt.paging.PagingFallbackWarning")
+def test_a_plan_over_counters_of_which_only_some_are_float32_tensors_counts_each():
+    """The step counters of a plan are shared (one tensor a device) only when every counter is a
+    float32 scalar tensor there; a counter set by hand to another kind (a float64 tensor) keeps the
+    plan on separate counters, and each still counts its own steps: the parameters reach the same
+    values as in a run whose counters were never touched."""
+    params = _params(1)
+    twin_params = [p.detach().clone().requires_grad_(True) for p in params]
+    opt, twin = pagedopt.AdamW8bit(params), pagedopt.AdamW8bit(twin_params)
+    for step in range(3):
+        _grads(params, step)
+        _grads(twin_params, step)
+        opt.step()
+        twin.step()
+        if step == 0:
+            # replaced by hand by a tensor of another dtype holding the same count
+            opt.state[params[1]]["step"] = torch.tensor(1.0, dtype=torch.float64)
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+    assert [float(opt.state[p]["step"]) for p in params] == [3.0, 3.0, 3.0]
+    assert opt.state[params[1]]["step"].dtype == torch.float64  # kept as the user set it
+    assert opt.state[params[0]]["step"].dtype == opt.state[params[2]]["step"].dtype == torch.float32
