@@ -22,9 +22,9 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from .manager import PagingStats
-from .managed import DeviceLike, _as_device, paging_built
-from .migration import _CudaBackend
+from .backends import CudaBackend
+from .managed import DeviceLike, as_device, paging_built
+from .stats import PagingStats
 
 # Regions in the device buffer start at multiples of this many bytes (the kernels' widest vector
 # loads are 16 bytes; 256 also keeps every view as aligned as a fresh allocation).
@@ -96,7 +96,7 @@ class _HostBackend:
         return contextlib.nullcontext()
 
 
-class _TimedCudaBackend(_CudaBackend):
+class _TimedCudaBackend(CudaBackend):
     @staticmethod
     def new_timing_event():
         return torch.cuda.Event(enable_timing=True)
@@ -216,7 +216,7 @@ class HostResidentPager:
         if isinstance(shape, int):
             shape = (shape,)
         shape = [int(s) for s in shape]
-        _as_device(device)  # a bad device name raises here, as torch.zeros would
+        as_device(device)  # a bad device name raises here, as torch.zeros would
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return torch.zeros(shape, dtype=dtype)
@@ -373,7 +373,7 @@ class HostResidentPager:
         ``plan_pass()`` of them. ``prefetch_depth``: this pass's (default: the pager's).
         ``trace`` (CUDA): a list that gets (group, "in" or "back", start event, end event) for
         every copy, timing events on the copy streams (for profiling)."""
-        device = _as_device(device)
+        device = as_device(device)
         plan = groups if isinstance(groups, PassPlan) else self.plan_pass(groups)
         depth = self.prefetch_depth if prefetch_depth is None else prefetch_depth
         return StreamPass(self, device, plan.groups, plan.layouts, depth, trace if device.type == "cuda" else None)
