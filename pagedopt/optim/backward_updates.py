@@ -40,7 +40,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _ops
-from ..paging.host_resident import _aligned
+from ..paging import aligned_bytes as _aligned
 from ..quant import STATE_BLOCK_SIZE
 from .bucket_chunks import contiguous_views
 from .grad_checks import locate, raise_bad_grad

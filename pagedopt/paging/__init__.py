@@ -9,7 +9,8 @@ This package knows nothing about what the tensors hold or who uses them. It offe
   a pipelined :meth:`PageManager.stage` for chunked kernels, an optional device budget and
   statistics (:class:`PagingStats`), and :func:`split_by_bytes` to cut work into chunks;
 * :class:`HostResidentPager`: tensors in page-locked host memory that stream through a fixed
-  device buffer (``DEFAULT_DEVICE_BUFFER``, regions aligned to ``REGION_ALIGN``).
+  device buffer (``DEFAULT_DEVICE_BUFFER``, regions aligned to ``REGION_ALIGN``:
+  :func:`aligned_bytes`).
 
 Paged tensors are real CUDA tensors whose bytes live in ``cudaMallocManaged`` memory, so every
 torch op works on them and the driver migrates pages on demand. Explicit prefetches only make the
@@ -35,25 +36,25 @@ Modules (the public names are re-exported here; each module imports only those b
 * :mod:`.staging`: a PageManager's pipelined ``stage()``, and :func:`split_by_bytes`;
 * :mod:`.manager`: :class:`PageManager` (allocation, arenas), which holds a ledger, a migration
   and a staging;
-* :mod:`.host_resident`: :class:`HostResidentPager` and its passes (:class:`StreamPass`,
-  :class:`PassPlan`).
+* :mod:`.stream_pass`: one pass of a HostResidentPager (:class:`StreamPass`, :class:`PassPlan`);
+* :mod:`.host_resident`: :class:`HostResidentPager`.
 
 Module state (``_warned``, ``_concurrent_cache``) lives in :mod:`.managed`. To replace a function
 for the code that calls it, patch it in the module that calls it (e.g.
 ``pagedopt.paging.manager.paging_unavailable_reason`` for ``PageManager.zeros``).
 """
-from .host_resident import DEFAULT_DEVICE_BUFFER, REGION_ALIGN, HostResidentPager
+from .host_resident import DEFAULT_DEVICE_BUFFER, REGION_ALIGN, HostResidentPager, aligned_bytes
 from .managed import (RESIDENCY_DEVICE, RESIDENCY_HOST, RESIDENCY_UNKNOWN, DeviceLike, PagingFallbackWarning,
                       advise_preferred_location_, is_managed, managed_empty, paging_available, paging_built,
                       paging_unavailable_reason, prefetch_, residency, warn_not_paged)
 from .manager import PageManager
 from .staging import split_by_bytes
 from .stats import PagingStats
-from .host_resident import PassPlan, StreamPass
+from .stream_pass import PassPlan, StreamPass
 
 __all__ = [
     "RESIDENCY_UNKNOWN", "RESIDENCY_DEVICE", "RESIDENCY_HOST", "DeviceLike", "PagingFallbackWarning", "PagingStats",
     "PageManager", "split_by_bytes", "HostResidentPager", "StreamPass", "PassPlan", "DEFAULT_DEVICE_BUFFER",
-    "REGION_ALIGN", "paging_built", "paging_available", "paging_unavailable_reason",
+    "REGION_ALIGN", "aligned_bytes", "paging_built", "paging_available", "paging_unavailable_reason",
     "warn_not_paged", "managed_empty", "is_managed", "residency", "prefetch_", "advise_preferred_location_",
 ]

@@ -1,10 +1,15 @@
-"""The stream, event and copy calls the pagers make, in one place: :class:`CudaBackend`, a
-PageManager's (tests substitute a recording fake for it), which a HostResidentPager extends.
+"""The stream, event and copy calls the pagers make, in one place:
+
+* :class:`CudaBackend`: a PageManager's (tests substitute a recording fake for it);
+* :class:`TimedCudaBackend`: a HostResidentPager's on a CUDA device (timing events too);
+* :class:`HostBackend`: a HostResidentPager's on the CPU, where every copy has finished when it
+  returns, so no stream or event is needed (:class:`NoStream` stands in for both).
 
 Part of :mod:`pagedopt.paging`.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -45,3 +50,45 @@ class CudaBackend:
     @staticmethod
     def pinned_empty(nbytes: int) -> torch.Tensor:
         return torch.ops.pagedopt.pinned_empty([nbytes], torch.uint8)
+
+
+class TimedCudaBackend(CudaBackend):
+    @staticmethod
+    def new_timing_event():
+        return torch.cuda.Event(enable_timing=True)
+
+
+class NoStream:
+    """A stream or event on the CPU, where every copy has finished when it returns."""
+
+    def wait_event(self, ev) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class HostBackend:
+    """The stream calls of a pass over CPU tensors: none is needed."""
+
+    @staticmethod
+    def new_stream(d):
+        return NoStream()
+
+    @staticmethod
+    def new_event():
+        return NoStream()
+
+    @staticmethod
+    def current_stream(d):
+        return NoStream()
+
+    @staticmethod
+    def use_stream(s):
+        return contextlib.nullcontext()
