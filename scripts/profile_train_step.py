@@ -58,7 +58,7 @@ def _time_host_calls(steps, step) -> None:
     from pagedopt import _ops
     from pagedopt.optim import backward_updates as bu
     from pagedopt.optim import kernels
-    from pagedopt.paging.host_resident import StreamPass
+    from pagedopt.paging.stream_pass import StreamPass
 
     totals, counts = {}, {}
     targets = [(bu.BackwardUpdates, "_on_grad"), (bu.BackwardUpdates, "_update_chunk"),

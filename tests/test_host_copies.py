@@ -12,6 +12,7 @@ import torch
 
 from pagedopt import paging
 from pagedopt.paging import RESIDENCY_DEVICE, RESIDENCY_HOST, PageManager
+from pagedopt.paging.managed import span_bytes
 
 GARBAGE = 0xA5  # what a discarded byte reads as in the fake
 
@@ -33,8 +34,8 @@ class _Event:
 
 
 class _CopyingFake:
-    """paging._CudaBackend for CPU tensors: prefetch moves nothing, discard scrambles the bytes (and
-    records the call), pinned_empty is a CPU tensor."""
+    """pagedopt.paging.backends.CudaBackend for CPU tensors: prefetch moves nothing, discard
+    scrambles the bytes (and records the call), pinned_empty is a CPU tensor."""
 
     def __init__(self, discard_error: str | None = None):
         self.calls = []
@@ -57,7 +58,7 @@ class _CopyingFake:
         return contextlib.nullcontext()
 
     def prefetch(self, t, to):
-        self.calls.append(("prefetch", paging._span_bytes(t), None if to is None else to.index))
+        self.calls.append(("prefetch", span_bytes(t), None if to is None else to.index))
 
     def discard(self, t, to):
         if self.discard_error is not None:

@@ -400,7 +400,7 @@ def test_host_slabs_start_small_and_double_up_to_their_size():
     """Small host tensors are carved from slabs that start at FIRST_HOST_SLAB_BYTES and double, up to
     host_slab_bytes: a tiny optimizer pins one small slab, not a whole 64 MiB one; tensors over a
     quarter of host_slab_bytes get storages of their own; carved tensors lie one after the other."""
-    from pagedopt.paging.host_resident import FIRST_HOST_SLAB_BYTES, HOST_SLAB_BYTES, _aligned
+    from pagedopt.paging.host_resident import FIRST_HOST_SLAB_BYTES, HOST_SLAB_BYTES, aligned_bytes as _aligned
 
     pager = HostResidentPager(1 << 20)
     assert pager.host_slab_bytes == HOST_SLAB_BYTES

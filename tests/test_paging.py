@@ -14,6 +14,7 @@ import torch
 
 from pagedopt import paging
 from pagedopt.paging import RESIDENCY_DEVICE, RESIDENCY_HOST, PageManager, PagingFallbackWarning
+from pagedopt.paging.managed import _reset_fallback_warnings, span_bytes
 
 MiB = 1 << 20
 
@@ -23,9 +24,9 @@ MiB = 1 << 20
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture
 def fresh_warnings():
-    paging._reset_fallback_warnings()
+    _reset_fallback_warnings()
     yield
-    paging._reset_fallback_warnings()
+    _reset_fallback_warnings()
 
 
 def test_cpu_is_not_pageable():
@@ -123,7 +124,7 @@ class _FakeEvent:
 
 
 class _FakeCuda:
-    """Stands in for paging._CudaBackend: records stream/event/prefetch calls, moves nothing."""
+    """Stands in for pagedopt.paging.backends.CudaBackend: records stream/event/prefetch calls, moves nothing."""
 
     def __init__(self):
         self.log = []
@@ -158,7 +159,7 @@ class _FakeCuda:
 
     def prefetch(self, t, to):
         where = "host" if to is None else f"cuda:{to.index}"
-        self.log.append(("prefetch", self.active.name, t.data_ptr(), paging._span_bytes(t), where))
+        self.log.append(("prefetch", self.active.name, t.data_ptr(), span_bytes(t), where))
 
     def prefetches(self):
         return [x for x in self.log if x[0] == "prefetch"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..paging.host_resident import _aligned
+from ..paging import aligned_bytes
 from ..quant import STATE_BLOCK_SIZE
 
 # Pieces of a cut parameter start at multiples of this many elements: whole 256-element blocks of
@@ -24,7 +24,7 @@ class _Piece:
     def __init__(self, j: int, start, end, by_key: dict):
         self.j, self.start, self.end, self.by_key = j, start, end, by_key
         self.host = list(by_key.values())
-        self.nbytes = sum(_aligned(t.numel() * t.element_size()) for t in self.host)
+        self.nbytes = sum(aligned_bytes(t.numel() * t.element_size()) for t in self.host)
 
 
 def _pieces(j: int, p: torch.Tensor, state: dict, keys: tuple, limit: int, cuttable: bool) -> list:

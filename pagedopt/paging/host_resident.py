@@ -9,22 +9,23 @@ finished (stream waits on events; the host never waits). The buffer is the only 
 ever holds: ``device_buffer_bytes`` per device, allocated at the first pass.
 
 On a CPU device the same schedule runs with plain copies (no streams), so the logic is testable
-anywhere. The pager knows nothing of optimizers: it moves tensors and gives back device views.
+anywhere. The pager knows nothing of what the tensors hold: it moves them and gives back device
+views. A pass itself is :class:`.stream_pass.StreamPass`.
 
-Part of :mod:`pagedopt.paging`, which re-exports :class:`HostResidentPager`.
+Part of :mod:`pagedopt.paging`, which re-exports :class:`HostResidentPager` and the constants here.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import weakref
 from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from .manager import PagingStats
-from .managed import DeviceLike, _as_device, paging_built
-from .migration import _CudaBackend
+from .backends import HostBackend, TimedCudaBackend
+from .managed import DeviceLike, as_device, paging_built
+from .stats import PagingStats
+from .stream_pass import PassPlan, StreamPass, Traffic
 
 # Regions in the device buffer start at multiples of this many bytes (the kernels' widest vector
 # loads are 16 bytes; 256 also keeps every view as aligned as a fresh allocation).
@@ -32,74 +33,15 @@ REGION_ALIGN = 256
 DEFAULT_DEVICE_BUFFER = 256 << 20
 # Host tensors of at most a quarter of this are carved one after the other from page-locked slabs of
 # at most this size (fewer, larger copies; and one cudaHostAlloc per slab instead of per tensor).
-# The first slab is small and each new one twice the last, so that a small optimizer (a tiny model
-# in a sweep of many) pins about what its states need, not a whole 64 MiB slab
+# The first slab is small and each new one twice the last, so that a pager of few small tensors (a
+# tiny model in a sweep of many) pins about what they need, not a whole 64 MiB slab
 HOST_SLAB_BYTES = 64 << 20
 FIRST_HOST_SLAB_BYTES = 1 << 20
 
 
-_COPY_BYTES: list = []  # [the copy_bytes_ op, or None where this build has no kernel for it], once looked up
-
-
-def _copy_bytes(dst: list, src: list) -> None:
-    """dst[i] <- src[i] for a group's runs: one ``copy_bytes_`` call (csrc/copy_bytes.cpp), or one
-    ``copy_`` per run with an extension built before it (GPU copies queued on the current stream
-    either way)."""
-    if not _COPY_BYTES:
-        has = torch._C._dispatch_has_kernel_for_dispatch_key("pagedopt::copy_bytes_", "CompositeExplicitAutograd")
-        _COPY_BYTES.append(torch.ops.pagedopt.copy_bytes_ if has else None)
-    op = _COPY_BYTES[0]
-    if op is not None:
-        op(dst, src)
-        return
-    for d, s in zip(dst, src):
-        d.copy_(s, non_blocking=True)
-
-
-def _aligned(n: int) -> int:
+def aligned_bytes(n: int) -> int:
+    """``n`` bytes rounded up to a multiple of REGION_ALIGN (where regions of the buffer start)."""
     return (n + REGION_ALIGN - 1) // REGION_ALIGN * REGION_ALIGN
-
-
-class _NoStream:
-    """A stream or event on the CPU, where every copy has finished when it returns."""
-
-    def wait_event(self, ev) -> None:
-        pass
-
-    def record(self, stream=None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class _HostBackend:
-    """The stream calls of a pass over CPU tensors: none is needed."""
-
-    @staticmethod
-    def new_stream(d):
-        return _NoStream()
-
-    @staticmethod
-    def new_event():
-        return _NoStream()
-
-    @staticmethod
-    def current_stream(d):
-        return _NoStream()
-
-    @staticmethod
-    def use_stream(s):
-        return contextlib.nullcontext()
-
-
-class _TimedCudaBackend(_CudaBackend):
-    @staticmethod
-    def new_timing_event():
-        return torch.cuda.Event(enable_timing=True)
 
 
 class _Layout:
@@ -149,14 +91,6 @@ class _Layout:
         return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), start, (end - start,))
 
 
-class _Region:
-    __slots__ = ("start", "end", "offsets", "copied_back")
-
-    def __init__(self, start: int, end: int, offsets: list[int]):
-        self.start, self.end, self.offsets = start, end, offsets
-        self.copied_back = None  # event after the copy back, once issued
-
-
 class HostResidentPager:
     """Tensors in page-locked host memory that visit the GPU only inside ``stream()``.
 
@@ -172,7 +106,7 @@ class HostResidentPager:
     the host tensors hold the pass's results and may be read on the host); ``stats()`` reports.
     """
 
-    streams_states = True  # optimizers hand their states to stream() instead of stage()
+    streams_states = True  # its users hand their tensors to stream() instead of stage()
 
     def __init__(self, device_buffer_bytes: int = DEFAULT_DEVICE_BUFFER, *, prefetch_depth: int = 2):
         if not isinstance(device_buffer_bytes, int) or isinstance(device_buffer_bytes, bool) \
@@ -188,11 +122,8 @@ class HostResidentPager:
         self._tensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> host tensor
         self._buffers: dict[torch.device, torch.Tensor] = {}
         self._streams: dict[torch.device, tuple] = {}  # device -> (copy-in stream, copy-back stream)
-        self._last_copy_back: dict[torch.device, object] = {}
         self._step = 0
-        self._moved_in = 0
-        self._moved_out = 0
-        self._timing: Optional[tuple] = None  # (first event, last event) of the last step's copies
+        self._traffic = Traffic()  # what the passes moved this step, when, and the last copy back per device
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict:
@@ -216,7 +147,7 @@ class HostResidentPager:
         if isinstance(shape, int):
             shape = (shape,)
         shape = [int(s) for s in shape]
-        _as_device(device)  # a bad device name raises here, as torch.zeros would
+        as_device(device)  # a bad device name raises here, as torch.zeros would
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return torch.zeros(shape, dtype=dtype)
@@ -225,12 +156,12 @@ class HostResidentPager:
         else:  # carved from a slab: tensors made one after the other lie next to each other (one copy per run)
             if self._slab is None or self._slab_used + nbytes > self._slab.nbytes():
                 size = FIRST_HOST_SLAB_BYTES if self._slab is None else 2 * self._slab.nbytes()
-                size = min(self.host_slab_bytes, max(size, _aligned(nbytes)))
+                size = min(self.host_slab_bytes, max(size, aligned_bytes(nbytes)))
                 self._slab = self._host_bytes_block(size).untyped_storage()
                 self._slab_used = 0
             offset = self._slab_used
             t = torch.empty(0, dtype=dtype).set_(self._slab, offset // dtype.itemsize, shape)
-            self._slab_used = _aligned(offset + nbytes)
+            self._slab_used = aligned_bytes(offset + nbytes)
         t.zero_()
         self._tensors[id(t)] = t
         return t
@@ -246,15 +177,13 @@ class HostResidentPager:
     def tensors(self) -> list[torch.Tensor]:
         return list(self._tensors.values())
 
-    # ------------------------------------------------------------------ the PageManager calls an optimizer makes
+    # ------------------------------------------------------------------ the calls of a PageManager's users
     def begin_step(self) -> None:
         self._step += 1
-        self._moved_in = 0
-        self._moved_out = 0
-        self._timing = None
+        self._traffic.new_step()
 
     def all_resident(self) -> bool:
-        """Never: the tensors live on the host (an optimizer then takes its streamed path)."""
+        """Never: the tensors live on the host (a user then takes its streamed path)."""
         return False
 
     def page_out(self, tensors=None, **kwargs) -> int:
@@ -271,28 +200,31 @@ class HostResidentPager:
         return 0
 
     def synchronize(self) -> None:
-        for ev in list(self._last_copy_back.values()):
+        for ev in list(self._traffic.last_copy_back.values()):
             ev.synchronize()
 
     def stats(self) -> PagingStats:
         host = self._host_bytes()
-        return PagingStats(resident_bytes=0, host_bytes=host, bytes_moved_last_step=self._moved_in + self._moved_out,
-                           page_in_bytes_last_step=self._moved_in, page_out_bytes_last_step=self._moved_out,
+        traffic = self._traffic
+        return PagingStats(resident_bytes=0, host_bytes=host,
+                           bytes_moved_last_step=traffic.moved_in + traffic.moved_out,
+                           page_in_bytes_last_step=traffic.moved_in, page_out_bytes_last_step=traffic.moved_out,
                            paged_tensors=len(self._tensors), step=self._step,
                            device_buffer_bytes=sum(b.numel() for b in self._buffers.values()),
                            transfer_ms_last_step=self._transfer_ms())
 
     def _transfer_ms(self) -> Optional[float]:
-        if self._timing is None or self._timing[1] is None:
+        timing = self._traffic.timing
+        if timing is None or timing[1] is None:
             return None
-        first, last = self._timing
+        first, last = timing
         if not (first.query() and last.query()):
             return None
         return float(first.elapsed_time(last))
 
     # ------------------------------------------------------------------ the pass
     def _backend(self, device: torch.device):
-        return _TimedCudaBackend if device.type == "cuda" else _HostBackend
+        return TimedCudaBackend if device.type == "cuda" else HostBackend
 
     def _buffer(self, device: torch.device) -> torch.Tensor:
         buf = self._buffers.get(device)
@@ -333,13 +265,14 @@ class HostResidentPager:
             # the next tensor begins where the last one ends, or (after a tensor of our own, carved
             # into an aligned slot of its slab) at the next slot: the bytes between are padding
             padding = previous is not None and self._tensors.get(id(previous)) is previous
-            if last is not None and addr == last[4] and (start == last[2] or padding and start == _aligned(last[2])):
+            if (last is not None and addr == last[4]
+                    and (start == last[2] or padding and start == aligned_bytes(last[2]))):
                 offsets[j] = last[3] + start - last[1]
                 runs[-1] = (last[0], last[1], max(last[2], end), last[3], addr)
             else:
                 offsets[j] = size
                 runs.append((j, start, end, size, addr))
-            size = _aligned(runs[-1][3] + runs[-1][2] - runs[-1][1])
+            size = aligned_bytes(runs[-1][3] + runs[-1][2] - runs[-1][1])
             previous = group[j]
         if size > self.device_buffer_bytes:
             raise ValueError(f"{where} needs {size} bytes of device buffer, more than device_buffer_bytes="
@@ -347,7 +280,7 @@ class HostResidentPager:
         likes = [(t.dtype, t.shape, t.numel() * t.element_size()) for t in group]
         return _Layout(offsets, size, [(group[j], start, end, off) for j, start, end, off, _ in runs], likes)
 
-    def plan_pass(self, groups: Sequence[Sequence[torch.Tensor]]) -> "PassPlan":
+    def plan_pass(self, groups: Sequence[Sequence[torch.Tensor]]) -> PassPlan:
         """Groups checked and laid out once, for passes that repeat step after step
         (``open_pass(device, plan)``): nothing is laid out again, and each group's device views
         are made once. Valid while the groups' host tensors live."""
@@ -364,7 +297,7 @@ class HostResidentPager:
         return self._pass(self.open_pass(device, groups))
 
     def open_pass(self, device: DeviceLike, groups, prefetch_depth: Optional[int] = None,
-                  trace: Optional[list] = None) -> "StreamPass":
+                  trace: Optional[list] = None) -> StreamPass:
         """A pass that the caller drives one group at a time (``stream()`` drives one in a loop):
         copies in of the first groups start now, ``take(i)`` hands out group i's device views and
         ``give_back(i)`` copies them back after the work queued so far, group after group in
@@ -373,151 +306,18 @@ class HostResidentPager:
         ``plan_pass()`` of them. ``prefetch_depth``: this pass's (default: the pager's).
         ``trace`` (CUDA): a list that gets (group, "in" or "back", start event, end event) for
         every copy, timing events on the copy streams (for profiling)."""
-        device = _as_device(device)
+        device = as_device(device)
         plan = groups if isinstance(groups, PassPlan) else self.plan_pass(groups)
         depth = self.prefetch_depth if prefetch_depth is None else prefetch_depth
-        return StreamPass(self, device, plan.groups, plan.layouts, depth, trace if device.type == "cuda" else None)
+        be = self._backend(device)
+        buf = self._buffer(device)
+        streams = self._streams_of(device, be)  # after the buffer: it is freed only after their work
+        return StreamPass(device, plan.groups, plan.layouts, depth, be, buf, streams, self._traffic,
+                          trace if device.type == "cuda" else None)
 
     @staticmethod
-    def _pass(p: "StreamPass") -> Iterator[tuple[int, list]]:
+    def _pass(p: StreamPass) -> Iterator[tuple[int, list]]:
         for i in range(len(p.groups)):
             views = p.take(i)
             yield i, views
             p.give_back(i)
-
-
-class PassPlan:
-    """Groups of host tensors and their layouts in a region (``HostResidentPager.plan_pass``)."""
-    __slots__ = ("groups", "layouts")
-
-    def __init__(self, groups: list, layouts: list):
-        self.groups, self.layouts = groups, layouts
-
-
-class StreamPass:
-    """One pass of a HostResidentPager over groups of its host tensors (``open_pass``): group i is
-    copied into a region of the device buffer (on the copy-in stream), handed to the caller by
-    ``take(i)`` (the caller's current stream waits for the copy in; the host never waits), and
-    copied back by ``give_back(i)`` after the work the caller's current stream has queued by then
-    (on the copy-back stream). Groups are taken and given back in order, one at a time. Copies in
-    run ahead of the group taken, up to the pager's ``prefetch_depth`` groups and as far as the
-    buffer has room; a region is reused only after its copy back (an event the copy-in stream
-    waits on). Dropping a pass part way is safe: later passes order their copies after its own."""
-
-    def __init__(self, pager: HostResidentPager, device: torch.device, groups: list, layouts: list, depth: int,
-                 trace: Optional[list] = None):
-        self.pager, self.device, self.groups, self.layouts, self.depth = pager, device, groups, layouts, depth
-        self._trace = trace
-        be = self._be = pager._backend(device)
-        self._buf = pager._buffer(device)
-        self._copy_in, self._copy_back = pager._streams_of(device, be)
-        previous = pager._last_copy_back.get(device)
-        if previous is not None:
-            self._copy_in.wait_event(previous)  # the last pass's results are on the host before they are read
-        self.first_event = None
-        if device.type == "cuda":
-            self.first_event = be.new_timing_event()
-            self.first_event.record(self._copy_in)
-        n = len(groups)
-        self._regions: list[Optional[_Region]] = [None] * n
-        self._ready: list = [None] * n
-        self._live: list[_Region] = []  # copied in, copy back not yet issued
-        self._returning: list[_Region] = []  # copy back issued, maybe not finished
-        self._head = 0
-        self._issued = 0  # groups whose copy in was issued
-        self.taken = 0  # groups handed out (the next take() is of this one)
-        self._views = None
-        self._issue(self.depth)
-
-    def _place(self, size: int) -> Optional[tuple[int, int]]:
-        start = self._head if self._head + size <= len(self._buf) else 0
-        end = start + size
-        if any(r.start < end and start < r.end for r in self._live):
-            return None  # would overwrite a group still being worked on: wait for a later give_back
-        return start, end
-
-    def _copy_in_group(self, k: int) -> bool:
-        layout = self.layouts[k]
-        spot = self._place(layout.size)
-        if spot is None:
-            return False
-        start, end = spot
-        region = _Region(start, end, layout.offsets)
-        for r in list(self._returning):
-            if r.start < end and start < r.end:
-                self._copy_in.wait_event(r.copied_back)
-                self._returning.remove(r)
-        marks = self._marks(k, "in", self._copy_in)
-        with self._be.use_stream(self._copy_in):
-            devs, hosts = layout.copy_lists(self._buf, start)
-            _copy_bytes(devs, hosts)
-        if marks is not None:  # before the ready event: whoever waits for that has this one behind it
-            marks.record(self._copy_in)
-        ev = self._be.new_event()
-        ev.record(self._copy_in)
-        self._regions[k], self._ready[k] = region, ev
-        self._live.append(region)
-        self._head = end
-        return True
-
-    def _marks(self, k: int, what: str, stream):
-        """With a trace: a timing event recorded on ``stream`` now, and one returned for the end."""
-        if self._trace is None:
-            return None
-        start, end = self._be.new_timing_event(), self._be.new_timing_event()
-        start.record(stream)
-        self._trace.append((k, what, start, end))
-        return end
-
-    def _issue(self, ahead: int) -> None:
-        """Copy in the groups up to ``taken + ahead``, as far as the buffer has room."""
-        n = len(self.groups)
-        while self._issued < n and self._issued <= self.taken + ahead and self._copy_in_group(self._issued):
-            self._issued += 1
-
-    def take(self, i: int) -> list[torch.Tensor]:
-        """Group i's device views (i: the next group of the pass, after the last one given back);
-        the current stream waits for their copy in."""
-        if i != self.taken or self._views is not None:
-            raise RuntimeError(f"StreamPass.take({i}): groups are taken in order, one at a time "
-                               f"(next: {self.taken}{', after give_back' if self._views is not None else ''})")
-        self._issue(self.depth)
-        if self._issued <= i:  # cannot happen: with every earlier group returning, group i fits
-            raise AssertionError(f"HostResidentPager: group {i} found no room in the device buffer")
-        pager = self.pager
-        if self.first_event is not None and pager._timing is None:  # the step's first pass opens its transfer time
-            pager._timing = (self.first_event, None)
-        self._be.current_stream(self.device.index).wait_event(self._ready[i])
-        self._views = self.layouts[i].views(self._buf, self._regions[i].start)
-        pager._moved_in += sum(nbytes for _, _, nbytes in self.layouts[i].likes)
-        return self._views
-
-    def give_back(self, i: int) -> None:
-        """Copy group i's views back to its host tensors after the work queued on the current stream."""
-        if i != self.taken or self._views is None:
-            raise RuntimeError(f"StreamPass.give_back({i}): group {i} is not the one taken")
-        be, pager = self._be, self.pager
-        done = be.new_event()
-        done.record(be.current_stream(self.device.index))
-        self._copy_back.wait_event(done)
-        region = self._regions[i]
-        layout = self.layouts[i]
-        marks = self._marks(i, "back", self._copy_back)
-        with be.use_stream(self._copy_back):
-            devs, hosts = layout.copy_lists(self._buf, region.start)
-            _copy_bytes(hosts, devs)
-        pager._moved_out += sum(nbytes for _, _, nbytes in layout.likes)
-        last = region.copied_back = be.new_event()
-        last.record(self._copy_back)
-        if marks is not None:
-            marks.record(self._copy_back)
-        pager._last_copy_back[self.device] = last  # the next pass (and settle) wait for it, even if this one stops here
-        self._live.remove(region)
-        self._returning.append(region)
-        if self.first_event is not None and i == len(self.groups) - 1:  # the pass's copies end here
-            end_ev = be.new_timing_event()
-            end_ev.record(self._copy_back)
-            pager._timing = (pager._timing[0] if pager._timing else self.first_event, end_ev)
-        self._views = None
-        self.taken += 1
-        self._issue(self.depth)  # the next groups' copies in start now, not at the next take

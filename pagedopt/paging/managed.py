@@ -3,9 +3,11 @@
 * thin wrappers over the ``torch.ops.pagedopt`` managed-memory operators (``managed_empty``,
   ``prefetch_``, ``advise_preferred_location_``, ``is_managed``, ``residency``) and the
   ``RESIDENCY_*`` values that ``residency`` returns;
-* :func:`paging_available` / :func:`paging_unavailable_reason` and a one-time fallback warning.
+* :func:`paging_available` / :func:`paging_unavailable_reason` and a one-time fallback warning;
+* :func:`as_device` and :func:`span_bytes`, the device and byte span of a tensor, for the modules
+  of the package.
 
-Part of :mod:`pagedopt.paging`, which re-exports every name here.
+Part of :mod:`pagedopt.paging`, which re-exports its public names (those of the first two items).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def _concurrent_managed_access(index: int) -> bool:
     return _concurrent_cache[index]
 
 
-def _as_device(device: DeviceLike) -> torch.device:
+def as_device(device: DeviceLike) -> torch.device:
     """torch.device with the current CUDA device filled in for a bare 'cuda'."""
     if isinstance(device, int):
         device = torch.device("cuda", device)
@@ -91,7 +93,7 @@ _warned: set[str] = set()
 def warn_not_paged(device: DeviceLike, reason: Optional[str] = None, registry: Optional[set] = None) -> bool:
     """Warn once that paged tensors on ``device`` are ordinary ones: once per device per process,
     or, with ``registry`` (a set the caller keeps), once per device per registry; a PageManager
-    passes its own, so each paged optimizer says it once (and Python's default warning filter
+    passes its own, so each manager (each of its users) says it once (and Python's default warning filter
     shows a given call site once per process anyway). Returns True when it warned now."""
     key = str(device)
     seen = _warned if registry is None else registry
@@ -117,7 +119,7 @@ def managed_empty(shape: Sequence[int], dtype: torch.dtype, device: DeviceLike) 
     """An uninitialized CUDA tensor in managed memory (freed with cudaFree when its storage dies)."""
     if isinstance(shape, int):
         shape = (shape,)
-    return torch.ops.pagedopt.managed_empty([int(s) for s in shape], dtype, _as_device(device))
+    return torch.ops.pagedopt.managed_empty([int(s) for s in shape], dtype, as_device(device))
 
 
 def is_managed(t: torch.Tensor) -> bool:
@@ -148,7 +150,7 @@ def advise_preferred_location_(t: torch.Tensor, to: Optional[DeviceLike] = None)
     torch.ops.pagedopt.advise_preferred_location_(t, None if to is None else torch.device(to))
 
 
-def _span_bytes(t: torch.Tensor) -> int:
+def span_bytes(t: torch.Tensor) -> int:
     """Bytes from t's first to its last element (the range a prefetch of t covers)."""
     if t.numel() == 0:
         return 0

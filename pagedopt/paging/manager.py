@@ -1,91 +1,29 @@
-"""The PageManager: allocation of paged tensors (own allocations or shared arena slabs), residency
-bookkeeping, statistics (:class:`PagingStats`), steps, and an optional device budget.
+"""The PageManager: allocation of paged tensors (own allocations or shared arena slabs) and the
+calls of its users, over three parts it holds:
 
-Its moves (page-in/page-out, streams, budget evictions) are in :mod:`.migration` and its
-pipelined ``stage()`` in :mod:`.staging`, as the bases ``_MigrationMixin`` and ``_StagingMixin``.
+* a :class:`.ledger.Ledger`: residency bookkeeping, host copies, steps and the budget;
+* a :class:`.migration.Migration`: page-in and page-out (streams, events, driver prefetches,
+  host copies, the budget's evictions);
+* a :class:`.staging.Staging`: the pipelined ``stage()``.
 
-Part of :mod:`pagedopt.paging`, which re-exports the public names here.
+Part of :mod:`pagedopt.paging`, which re-exports :class:`PageManager`.
 """
 from __future__ import annotations
 
 import ctypes
 import weakref
-from dataclasses import asdict, dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from .managed import (RESIDENCY_DEVICE, RESIDENCY_HOST, RESIDENCY_UNKNOWN, DeviceLike, _as_device, _span_bytes,
-                      is_managed, managed_empty, paging_unavailable_reason, warn_not_paged)
-from .migration import _CudaBackend, _MigrationMixin
-from .staging import _StagingMixin
+from .ledger import Entry, Ledger
+from .managed import (RESIDENCY_DEVICE, RESIDENCY_HOST, RESIDENCY_UNKNOWN, DeviceLike, as_device, is_managed,
+                      managed_empty, paging_unavailable_reason, span_bytes, warn_not_paged)
+from .migration import Migration
+from .staging import Staging
+from .stats import PagingStats
 
 _PAGE = 4096  # host page size; arena suballocations are aligned to it
-
-
-@dataclass
-class PagingStats:
-    """A snapshot of a PageManager. Byte counts of paged tensors are the manager's belief (what it
-    last prefetched or paged out itself); the driver may have moved pages since.
-
-    resident_bytes / host_bytes / unknown_bytes: paged bytes believed on a GPU / on the host /
-        not known (registered from elsewhere and not yet moved).
-    bytes_moved_last_step: page_in_bytes + page_out_bytes requested since the last begin_step().
-    paged_tensors: live paged tensors; unpaged_tensors / unpaged_bytes: live tensors that zeros()
-        returned as ordinary memory (paging unavailable on their device).
-    resident_bytes_by_device: {device index: resident bytes}.
-    host_copy_bytes: page-locked host memory held for the host copies of paged-out tensors
-        (PageManager(host_copies=True)); host_copied_bytes: paged bytes whose contents live in
-        such a copy now (their managed pages were discarded).
-    device_buffer_bytes: the device buffer that host-resident states stream through
-        (HostResidentPager; 0 for a PageManager).
-    transfer_ms_last_step: GPU time from the first to the last copy of the last step's streaming
-        (HostResidentPager), None while unknown (not finished, no CUDA, or a PageManager).
-    """
-
-    resident_bytes: int = 0
-    host_bytes: int = 0
-    unknown_bytes: int = 0
-    bytes_moved_last_step: int = 0
-    page_in_bytes_last_step: int = 0
-    page_out_bytes_last_step: int = 0
-    paged_tensors: int = 0
-    unpaged_tensors: int = 0
-    unpaged_bytes: int = 0
-    budget_bytes: Optional[int] = None
-    step: int = 0
-    resident_bytes_by_device: dict = field(default_factory=dict)
-    host_copy_bytes: int = 0
-    host_copied_bytes: int = 0
-    device_buffer_bytes: int = 0
-    transfer_ms_last_step: Optional[float] = None
-
-    def __getitem__(self, key: str):
-        return getattr(self, key)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-class _Entry:
-    """Bookkeeping for one registered tensor (held by weakref only)."""
-
-    __slots__ = ("ref", "key", "paged", "device", "nbytes", "storage_key", "start", "ordinal", "state",
-                 "last_step", "last_seq", "host_copied")
-
-    def __init__(self, ref, key, paged, device, nbytes, storage_key, start, ordinal, state):
-        self.ref = ref
-        self.key = key
-        self.paged = paged
-        self.device = device  # CUDA device index (or -1 for an unpaged non-CUDA tensor)
-        self.nbytes = nbytes  # span of the tensor's elements
-        self.storage_key = storage_key  # data_ptr of its storage (unique among live allocations)
-        self.start = start  # byte offset of the span within the storage
-        self.ordinal = ordinal  # allocation order within an arena (None: not in an arena)
-        self.state = state
-        self.last_step = -1
-        self.last_seq = -1
-        self.host_copied = False  # paged out into the manager's host copy; the managed bytes were discarded
 
 
 class _Arena:
@@ -99,15 +37,7 @@ class _Arena:
         self.ordinal = 0
 
 
-def _forget_cb(manager_ref, key):
-    def cb(ref):
-        m = manager_ref()
-        if m is not None:
-            m._forget(key, ref)
-    return cb
-
-
-class PageManager(_MigrationMixin, _StagingMixin):
+class PageManager:
     """Allocates paged (managed-memory) tensors and moves them between host and device.
 
     Args:
@@ -124,7 +54,7 @@ class PageManager(_MigrationMixin, _StagingMixin):
               one, least recently used first; then tensors that this step has already used, most
               recently used first. Tensors that the current stage() has yet to use are never
               victims, nor are tensors used in the previous step but not yet in this one (LRU
-              would evict exactly those under the cyclic access of an optimizer step). In steady
+              would evict exactly those under the cyclic access of a step that visits every tensor). In steady
               state each step then pages in and out only (paged bytes - budget), the minimum.
               The budget is soft: when no victim is left (e.g. the chunks in flight alone exceed
               it), it is exceeded; device residency peaks at about budget + the prefetch window.
@@ -146,10 +76,8 @@ class PageManager(_MigrationMixin, _StagingMixin):
             Costs host memory equal to the bytes paged out. False, or a driver without discards:
             page-outs are the driver's migration (cudaMemPrefetchAsync to the host).
             While tensors are paged out this way their managed bytes are indeterminate: read
-            them after ``settle()`` (state_dict(), copies and steps of pagedopt's optimizers do).
+            them after ``settle()``.
     """
-
-    _cuda = _CudaBackend
 
     def __init__(self, budget_bytes: Optional[int] = None, *, arena_bytes: int = 0, prefetch_depth: int = 2,
                  host_copies: bool = True):
@@ -159,42 +87,44 @@ class PageManager(_MigrationMixin, _StagingMixin):
             raise ValueError(f"arena_bytes must be an int >= 0, got {arena_bytes!r}")
         if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
-        self.budget_bytes = budget_bytes
-        self.arena_bytes = arena_bytes
-        self.prefetch_depth = prefetch_depth
         if not isinstance(host_copies, bool):
             raise ValueError(f"host_copies must be True or False, got {host_copies!r}")
-        self.host_copies = host_copies
-        self._host_copy: dict[int, torch.Tensor] = {}  # storage data_ptr -> page-locked copy of the storage
-        self._host_copy_bytes = 0
-        self._host_copied_bytes = 0
-        self._self_ref = weakref.ref(self)
-        self._warned: set[str] = set()  # devices this manager warned about (fallback)
-        self._entries: dict[int, _Entry] = {}  # id(tensor) -> entry
-        self._by_storage: dict[int, list[_Entry]] = {}  # storage data_ptr -> paged entries in it
+        self.arena_bytes = arena_bytes
+        self.prefetch_depth = prefetch_depth
+        self._warned: set[str] = set()  # devices this manager warned about (fallback), and "host_copies"
+        self._ledger = Ledger(budget_bytes)
+        self._migration = Migration(self._ledger, host_copies, self._warned)
+        self._staging = Staging(self._ledger, self._migration)
         self._arenas: dict[int, _Arena] = {}
-        # O(1) counters (paged entries only, except the unpaged ones)
-        self._resident: dict[int, int] = {}  # device -> bytes believed on the device
-        self._host_bytes = 0
-        self._unknown_bytes = 0
-        self._non_resident = 0  # paged entries not believed on their device
-        self._paged_count = 0
-        self._unpaged_count = 0
-        self._unpaged_bytes = 0
-        # steps and per-step traffic
-        self._step = 0
-        self._seq = 0
-        self._explicit_steps = False
-        self._moved_in = 0
-        self._moved_out = 0
-        # streams and events, per device
-        self._side_streams: dict = {}
-        self._out_streams: dict = {}
-        self._pageout_events: dict = {}  # device -> event after the last page-out issued there
-        self._pagein_events: dict = {}  # device -> event of a non_blocking prefetch() in flight
-        # victim bookkeeping during stage() (budget only), per device
-        self._stage_stale: dict[int, list] = {}
-        self._stage_done: dict[int, list] = {}
+
+    # ------------------------------------------------------------------ configuration
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        """The per-device budget of resident paged bytes (None: none); may be changed at any time."""
+        return self._ledger.budget_bytes
+
+    @budget_bytes.setter
+    def budget_bytes(self, value: Optional[int]) -> None:
+        self._ledger.budget_bytes = value
+
+    @property
+    def host_copies(self) -> bool:
+        """Whether page-outs go through page-locked host copies (see the class docstring); turns
+        False by itself where the driver offers no discards."""
+        return self._migration.host_copies
+
+    @host_copies.setter
+    def host_copies(self, value: bool) -> None:
+        self._migration.host_copies = value
+
+    @property
+    def _cuda(self):
+        """The CUDA calls of this manager (pagedopt.paging.backends.CudaBackend); tests set a fake."""
+        return self._migration.cuda
+
+    @_cuda.setter
+    def _cuda(self, backend) -> None:
+        self._migration.cuda = backend
 
     def __getstate__(self) -> dict:
         """Pickling/deepcopy keep the configuration only: the copy tracks no tensor (copies of
@@ -211,88 +141,39 @@ class PageManager(_MigrationMixin, _StagingMixin):
         return (f"PageManager(budget_bytes={self.budget_bytes}, arena_bytes={self.arena_bytes}, "
                 f"paged_tensors={s.paged_tensors}, resident_bytes={s.resident_bytes}, host_bytes={s.host_bytes})")
 
-    # ------------------------------------------------------------------ registration
-    def _set_state(self, e: _Entry, state: int) -> None:
-        old = e.state
-        if old == state:
-            return
-        self._count(e, old, -1)
-        e.state = state
-        self._count(e, state, +1)
-
-    def _count(self, e: _Entry, state: int, sign: int) -> None:
-        if state == RESIDENCY_DEVICE:
-            self._resident[e.device] = self._resident.get(e.device, 0) + sign * e.nbytes
-        else:
-            self._non_resident += sign
-            if state == RESIDENCY_HOST:
-                self._host_bytes += sign * e.nbytes
-            else:
-                self._unknown_bytes += sign * e.nbytes
-
+    # ------------------------------------------------------------------ the ledger's, for tests
     def _register(self, t: torch.Tensor, paged: bool, state: int, ordinal: Optional[int] = None,
-                  device: Optional[int] = None) -> _Entry:
-        key = id(t)
-        old = self._entries.get(key)
-        if old is not None:
-            if old.ref() is t:
-                return old
-            self._forget(key, old.ref)
-        ref = weakref.ref(t, _forget_cb(self._self_ref, key))
-        if paged:
-            storage_key = t.untyped_storage().data_ptr()
-            e = _Entry(ref, key, True, t.device.index if device is None else device, _span_bytes(t), storage_key,
-                       t.data_ptr() - storage_key, ordinal, state)
-            self._entries[key] = e
-            self._by_storage.setdefault(storage_key, []).append(e)
-            self._paged_count += 1
-            self._count(e, state, +1)
-        else:
-            e = _Entry(ref, key, False, t.device.index if t.is_cuda else -1, t.numel() * t.element_size(),
-                       None, 0, None, RESIDENCY_UNKNOWN)
-            self._entries[key] = e
-            self._unpaged_count += 1
-            self._unpaged_bytes += e.nbytes
-        return e
+                  device: Optional[int] = None) -> Entry:
+        return self._ledger.register(t, paged, state, ordinal, device)
 
-    def _forget(self, key: int, ref) -> None:
-        e = self._entries.get(key)
-        if e is None or e.ref is not ref:
-            return
-        del self._entries[key]
-        if not e.paged:
-            self._unpaged_count -= 1
-            self._unpaged_bytes -= e.nbytes
-            return
-        self._paged_count -= 1
-        self._count(e, e.state, -1)
-        self._set_host_copied(e, False)
-        lst = self._by_storage.get(e.storage_key)
-        if lst is not None:
-            try:
-                lst.remove(e)
-            except ValueError:
-                pass
-            if not lst:
-                del self._by_storage[e.storage_key]
-                copy = self._host_copy.pop(e.storage_key, None)  # the storage is gone: so is its host copy
-                if copy is not None:
-                    self._host_copy_bytes -= copy.numel()
+    def _entry(self, t: torch.Tensor) -> Optional[Entry]:
+        return self._ledger.entry(t)
 
-    def _set_host_copied(self, e: _Entry, value: bool) -> None:
-        if e.host_copied != value:
-            e.host_copied = value
-            self._host_copied_bytes += e.nbytes if value else -e.nbytes
+    def _set_state(self, e: Entry, state: int) -> None:
+        self._ledger.set_state(e, state)
 
+    @property
+    def _entries(self) -> dict:
+        return self._ledger.entries
+
+    @property
+    def _by_storage(self) -> dict:
+        return self._ledger.by_storage
+
+    @property
+    def _non_resident(self) -> int:
+        return self._ledger.non_resident
+
+    # ------------------------------------------------------------------ registration
     def register(self, t: torch.Tensor) -> bool:
         """Adopt a managed tensor allocated elsewhere (residency unknown until moved). Returns
         True when ``t`` is managed memory and is now tracked; False (and no tracking) otherwise."""
-        e = self._entries.get(id(t))
-        if e is not None and e.ref() is t:
+        e = self._ledger.entry(t)
+        if e is not None:
             return e.paged
-        if not is_managed(t) or _span_bytes(t) == 0:
+        if not is_managed(t) or span_bytes(t) == 0:
             return False
-        self._register(t, True, RESIDENCY_UNKNOWN)
+        self._ledger.register(t, True, RESIDENCY_UNKNOWN)
         return True
 
     # ------------------------------------------------------------------ allocation
@@ -304,12 +185,12 @@ class PageManager(_MigrationMixin, _StagingMixin):
         if isinstance(shape, int):
             shape = (shape,)
         shape = tuple(int(s) for s in shape)
-        device = _as_device(device)
+        device = as_device(device)
         reason = paging_unavailable_reason(device)
         if reason is not None:
             warn_not_paged(device, reason, self._warned)
             t = torch.zeros(shape, dtype=dtype, device=device)
-            self._register(t, False, RESIDENCY_UNKNOWN)
+            self._ledger.register(t, False, RESIDENCY_UNKNOWN)
             return t
         numel = 1
         for s in shape:
@@ -319,16 +200,16 @@ class PageManager(_MigrationMixin, _StagingMixin):
             return torch.zeros(shape, dtype=dtype, device=device)
         index = device.index
         t, ordinal = self._allocate(shape, dtype, index, nbytes)
-        on_host = self.budget_bytes is not None and self._resident.get(index, 0) + nbytes > self.budget_bytes
+        on_host = self.budget_bytes is not None and self._ledger.resident.get(index, 0) + nbytes > self.budget_bytes
         if on_host:
             # Over budget: first touch on the CPU puts the pages in host memory, using no GPU memory.
             # Nothing on the GPU references this fresh allocation, so no ordering is needed.
             ctypes.memset(t.data_ptr(), 0, nbytes)
-            self._register(t, True, RESIDENCY_HOST, ordinal)
+            self._ledger.register(t, True, RESIDENCY_HOST, ordinal)
         else:
-            with self._cuda.use_device(index):
+            with self._migration.cuda.use_device(index):
                 t.zero_()  # on the current stream; the pages are populated on the GPU
-            self._register(t, True, RESIDENCY_DEVICE, ordinal)
+            self._ledger.register(t, True, RESIDENCY_DEVICE, ordinal)
         return t
 
     def _allocate(self, shape, dtype, index: int, nbytes: int):
@@ -355,50 +236,17 @@ class PageManager(_MigrationMixin, _StagingMixin):
         return t, ordinal
 
     # ------------------------------------------------------------------ queries
-    def _entry(self, t: torch.Tensor) -> Optional[_Entry]:
-        e = self._entries.get(id(t))
-        if e is not None and e.ref() is t:
-            return e
-        return None
-
-    def _paged_entries_for(self, tensors: Iterable) -> list[_Entry]:
-        """The paged entries that the given tensors cover (registered tensors, or views of them),
-        without duplicates. Unregistered and unpaged tensors are ignored."""
-        out: list[_Entry] = []
-        seen: set[int] = set()
-        for t in tensors:
-            if t is None:
-                continue
-            e = self._entries.get(id(t))
-            if e is not None and e.ref() is t:
-                if e.paged and id(e) not in seen:
-                    seen.add(id(e))
-                    out.append(e)
-                continue
-            if not self._by_storage or not isinstance(t, torch.Tensor) or t.numel() == 0:
-                continue
-            lst = self._by_storage.get(t.untyped_storage().data_ptr())
-            if not lst:
-                continue
-            start = t.data_ptr() - t.untyped_storage().data_ptr()
-            end = start + _span_bytes(t)
-            for e in tuple(lst):
-                if e.start < end and start < e.start + e.nbytes and id(e) not in seen:
-                    seen.add(id(e))
-                    out.append(e)
-        return out
-
     def is_paged(self, t: torch.Tensor) -> bool:
         """True when ``t`` (or the tensor it is a view of) is a paged tensor of this manager."""
-        e = self._entry(t)
+        e = self._ledger.entry(t)
         if e is not None:
             return e.paged
-        return bool(self._paged_entries_for([t]))
+        return bool(self._ledger.paged_entries_for([t]))
 
     def tensors(self) -> list[torch.Tensor]:
         """The live paged tensors of this manager."""
         out = []
-        for e in list(self._entries.values()):
+        for e in list(self._ledger.entries.values()):
             t = e.ref()
             if e.paged and t is not None:
                 out.append(t)
@@ -408,37 +256,88 @@ class PageManager(_MigrationMixin, _StagingMixin):
         """Make the contents of ``tensors`` (default: every paged tensor) readable by any torch op:
         those whose bytes live in the host copy (paged out with host_copies=True) are paged in on
         the current stream (ordered before later work there). Returns the bytes paged in."""
-        if self._host_copied_bytes == 0:
+        if self._ledger.host_copied_bytes == 0:
             return 0
         return self.prefetch([t for t in (self.tensors() if tensors is None else tensors)
-                              if any(e.host_copied for e in self._paged_entries_for([t]))])
+                              if any(e.host_copied for e in self._ledger.paged_entries_for([t]))])
 
     def all_resident(self) -> bool:
         """True when stage() has nothing to do: every paged tensor is believed resident, within
         the budget, with no non_blocking prefetch in flight. Then ``stage(groups)`` is exactly
         ``range(len(groups))`` (plus its begin_step when steps are implicit), so a caller may skip
         building the groups."""
-        return self._non_resident == 0 and not self._pagein_events and not self._over_budget()
+        return (self._ledger.non_resident == 0 and not self._migration.pagein_in_flight()
+                and not self._ledger.over_budget())
 
     def stats(self) -> PagingStats:
+        led = self._ledger
         return PagingStats(
-            resident_bytes=sum(self._resident.values()), host_bytes=self._host_bytes,
-            unknown_bytes=self._unknown_bytes, bytes_moved_last_step=self._moved_in + self._moved_out,
-            page_in_bytes_last_step=self._moved_in, page_out_bytes_last_step=self._moved_out,
-            paged_tensors=self._paged_count, unpaged_tensors=self._unpaged_count,
-            unpaged_bytes=self._unpaged_bytes, budget_bytes=self.budget_bytes, step=self._step,
-            resident_bytes_by_device={d: b for d, b in self._resident.items() if b},
-            host_copy_bytes=self._host_copy_bytes, host_copied_bytes=self._host_copied_bytes)
+            resident_bytes=sum(led.resident.values()), host_bytes=led.host_bytes,
+            unknown_bytes=led.unknown_bytes, bytes_moved_last_step=led.moved_in + led.moved_out,
+            page_in_bytes_last_step=led.moved_in, page_out_bytes_last_step=led.moved_out,
+            paged_tensors=led.paged_count, unpaged_tensors=led.unpaged_count,
+            unpaged_bytes=led.unpaged_bytes, budget_bytes=led.budget_bytes, step=led.step,
+            resident_bytes_by_device={d: b for d, b in led.resident.items() if b},
+            host_copy_bytes=led.host_copy_bytes, host_copied_bytes=led.host_copied_bytes)
 
     # ------------------------------------------------------------------ steps
     def begin_step(self) -> None:
         """Start a new step: resets the per-step traffic counters and ages the LRU clock.
         stage() calls it itself until begin_step() is called explicitly once; from then on the
         caller marks steps (needed when one step runs stage() several times, e.g. per group)."""
-        self._explicit_steps = True
-        self._begin_step()
+        self._ledger.explicit_steps = True
+        self._ledger.new_step()
 
-    def _begin_step(self) -> None:
-        self._step += 1
-        self._moved_in = 0
-        self._moved_out = 0
+    # ------------------------------------------------------------------ moves (Migration)
+    def prefetch(self, tensors: Optional[Iterable[torch.Tensor]] = None, device: Optional[DeviceLike] = None,
+                 *, non_blocking: bool = False) -> int:
+        """Page tensors (default: all registered; with ``device``: only those on it) in to their
+        own device. Tensors believed resident are skipped without a driver call.
+
+        non_blocking=False: issued on the current stream, so later work on it sees them resident.
+        non_blocking=True: issued on a side stream (e.g. from a backward hook, to overlap compute);
+        the current streams wait for it at the next stage()/page_out()/synchronize().
+        Returns the bytes requested. Never synchronizes the host."""
+        return self._migration.prefetch(tensors, device, non_blocking=non_blocking)
+
+    def page_out(self, tensors: Optional[Iterable[torch.Tensor]] = None, *, sync: bool = False,
+                 overlap: bool = False) -> int:
+        """Send tensors (default: all registered) to host memory. Tensors believed on the host
+        are skipped without a driver call.
+
+        overlap=False (default): issued on the current stream of each device, after the work
+            already queued there; later work on that stream waits for the migration.
+        overlap=True: issued on a separate page-out stream that first waits for the current
+            stream (so the tensors' pending users finish first); later work on the current stream
+            runs concurrently with the migration.
+        sync=False (default): returns at once (asynchronous). sync=True: the host waits for these
+            page-outs only (an event synchronize, not a device-wide one).
+        The next page-in of these tensors (stage/prefetch) is ordered after this page-out.
+        Returns the bytes requested."""
+        return self._migration.page_out(tensors, sync=sync, overlap=overlap)
+
+    def synchronize(self) -> None:
+        """Host-wait for every page-in/page-out this manager issued (event waits, not a
+        device-wide sync)."""
+        self._migration.synchronize()
+
+    def enforce_budget(self) -> int:
+        """Page out victims until every device's resident paged bytes fit the budget (a no-op
+        without a budget). Asynchronous, overlapping later work. Returns the bytes requested."""
+        return self._migration.enforce_budget()
+
+    # ------------------------------------------------------------------ pipeline (Staging)
+    def stage(self, groups: Sequence[Iterable[torch.Tensor]]) -> Iterator[int]:
+        """The step pipeline: ``for i in manager.stage(chunks): launch chunk i``.
+
+        ``groups[i]`` lists the tensors that chunk i's launch touches. Before yielding i, the
+        current stream of each device involved waits (an event, not a host sync) until chunk i's
+        paged tensors were prefetched; chunks i+1 .. i+prefetch_depth are meanwhile prefetched on
+        a side stream per device, each tensor to its own device. Paged tensors believed resident
+        cost no driver call, and when every paged tensor is believed resident (and within budget)
+        this is a plain ``range(len(groups))``. Tensors that are not paged by this manager are
+        ignored. With a budget, see the class docstring for the page-outs done here.
+
+        Starts a new step (begin_step) itself unless the caller has ever called begin_step().
+        """
+        return self._staging.stage(groups, self.prefetch_depth)

@@ -1,6 +1,7 @@
-"""The parameter tensors of a model for pagedopt-mem (pagedopt/memory.py): from a config.json or a
-preset (by formula, or by building the model with transformers on the meta device), from a module,
-or from a parameter count alone."""
+"""The parameter tensors of a model for the estimator (pagedopt.memory): :class:`Tensor`,
+:class:`Arch`, :class:`Model`, and the ways to get them: from a config.json or a preset (by formula,
+or by building the model with transformers on the meta device), from a module, or from a parameter
+count alone."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .memory_tables import PRESETS
+from .tables import PRESETS
 
 # Defaults of tie_word_embeddings per model type where a config.json leaves it out.
 _TIE_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True, "gemma": True}

@@ -1,5 +1,5 @@
-"""The data behind pagedopt.memory: dtype sizes, GPU capacities, the optimizers it estimates and
-Llama-like model presets."""
+"""The data behind the estimator of pagedopt.memory: dtype sizes, GPU capacities, the optimizers it
+estimates (and the other names they go by) and Llama-like model presets. Data only: no imports."""
 
 GIB = 1 << 30
 
@@ -37,9 +37,10 @@ OPTIMIZERS = {
 }
 # bytes per parameter tensor beyond its moments and step: LARS and LAMB keep unorm_vec (one fp32)
 EXTRA_STATE_BYTES = {"lars_8bit": 4, "lamb_8bit": 4}
-_ALIASES = {"adamw": "adamw_torch", "torch": "adamw_torch", "adam_torch": "adamw_torch", "adamw_torch_fused": "adamw_torch",
-            "adam_8bit": "adamw_8bit", "paged_adam_8bit": "paged_adamw_8bit", "adam_32bit": "adamw_32bit",
-            "paged_adam_32bit": "paged_adamw_32bit"}
+# other names of the optimizers above (normalize_optimizer)
+ALIASES = {"adamw": "adamw_torch", "torch": "adamw_torch", "adam_torch": "adamw_torch", "adamw_torch_fused": "adamw_torch",
+           "adam_8bit": "adamw_8bit", "paged_adam_8bit": "paged_adamw_8bit", "adam_32bit": "adamw_32bit",
+           "paged_adam_32bit": "paged_adamw_32bit"}
 
 # Llama-like presets for --config NAME (published config.json values).
 PRESETS = {

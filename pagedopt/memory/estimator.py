@@ -1,12 +1,6 @@
-"""What fits: GPU memory of a training run (weights + gradients + optimizer states + activations).
-
-Command line (``python -m pagedopt.memory`` or ``pagedopt-mem``)::
-
-    pagedopt-mem --config path/to/config.json --optimizer paged_adamw_8bit --gpu 24
-    pagedopt-mem --config llama3-8b --lora 16 --gradient-checkpointing --batch 4 --seq 2048 --gpu H200
-    pagedopt-mem --params 7e9 --weights bf16 --optimizer adamw_torch --gpu A100-80
-
-prints a table in GiB and says whether the run fits on the GPU, and the largest batch that does.
+"""The estimator of pagedopt.memory: the bytes of one training configuration (weights,
+gradients, optimizer states, activations), :class:`Estimate` and :func:`estimate`, and the
+GPU capacities a run is checked against (:func:`gpu_capacity`).
 
 What is exact and what is not
 -----------------------------
@@ -44,7 +38,7 @@ What is exact and what is not
   (the paper's ``4*s*b*V``) and the fp32 log-softmax that cross-entropy keeps for its backward.
   The formula was derived for GPT (4h GeLU MLP, LayerNorm, dropout), not for Llama's gated MLP
   and GQA; it is a guide, not a measurement: leave a margin, and measure with
-  :func:`memory_report` / :class:`pagedopt.integrations.callbacks.MemoryReportCallback`.
+  :func:`pagedopt.memory.memory_report` / :class:`pagedopt.integrations.callbacks.MemoryReportCallback`.
 * **Constants**: ``CUDA_CONTEXT_BYTES`` for the CUDA context, kernels and cuBLAS workspace that a
   process holds outside torch's allocator; the allocator's fragmentation is not counted.
 
@@ -52,17 +46,14 @@ Paged optimizers (``paged_adamw_8bit``, ``paged_adamw_32bit``) keep their states
 memory: after ``page_out()`` (or when the driver evicts them under memory pressure) they live in
 host memory during forward and backward, so they count 0 on the GPU there and their bytes appear
 under host; during ``step()`` they stream back in 64 MiB chunks.
-
-Plain loops and the Trainer: :func:`memory_report` and :func:`log_memory` here,
-``pagedopt.integrations.callbacks.MemoryReportCallback`` for the Hugging Face Trainer.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from dataclasses import dataclass, field
 from typing import Optional
+
+from .model import Arch, Model, Tensor
+from .tables import ALIASES, DTYPE_BYTES, EXTRA_STATE_BYTES, GPUS, OPTIMIZERS
 
 BLOCK = 256  # elements per absmax block (pagedopt.quant.STATE_BLOCK_SIZE)
 STEP_BYTES = 4  # the fp32 scalar ``step`` of every parameter's state (pagedopt and torch alike)
@@ -73,14 +64,8 @@ CUDA_CONTEXT_BYTES = 768 << 20
 # pagedopt pages states in and out in chunks of about this many bytes (optim.residency.CHUNK_BYTES).
 PAGED_CHUNK_BYTES = 64 << 20
 
-from .memory_report import log_memory, memory_report, report_gib  # noqa: F401  (re-exported)
-from .memory_tables import _ALIASES, DTYPE_BYTES, EXTRA_STATE_BYTES, GIB, GPUS, OPTIMIZERS, PRESETS  # noqa: F401
-
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-
-from .memory_model import (_TIE_DEFAULT, Arch, Model, Tensor, _arch, load_config, model_from_config,  # noqa: F401
-                           model_from_params, tensors_from_formula, tensors_from_module, tensors_from_transformers)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -91,7 +76,7 @@ def normalize_optimizer(name: str) -> str:
     for prefix in ("pagedopt_", "pagedopt."):
         if n.startswith(prefix):
             n = n[len(prefix):]
-    n = _ALIASES.get(n, n)
+    n = ALIASES.get(n, n)
     if n not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
     return n
@@ -261,122 +246,3 @@ def gpu_capacity(gpu) -> tuple[str, float]:
         name, gib = table.get(key) or table[key.replace("-", "")]
         return f"{name} ({gib:g} GiB)", float(gib)
     raise ValueError(f"unknown GPU {gpu!r}: give GiB (e.g. 24) or one of {', '.join(GPUS)}")
-
-
-# ------------------------------------------------------------------------------------------------
-# the report
-# ------------------------------------------------------------------------------------------------
-def _g(nbytes: Optional[int]) -> str:
-    return "n/a" if nbytes is None else f"{nbytes / GIB:9.2f}"
-
-
-def format_estimate(e: Estimate, gpu=None, compare: bool = True) -> str:
-    s = e.settings
-    mode = (f"LoRA r={s['lora_rank']} on q,k,v,o{',gate,up,down' if s['lora_mlp'] else ''}" if s["lora_rank"]
-            else "full fine-tuning")
-    label, bits, paged, _ = OPTIMIZERS[e.optimizer]
-    lines = [f"model: {e.n_params:,} parameters ({e.model.source}); trainable: {e.n_trainable:,}",
-             f"{mode}; weights {e.weights_dtype}; optimizer {e.optimizer} ({label}"
-             + (f", min_8bit_size={s['min_8bit_size']}" if bits == 8 else "") + ")"
-             + f"; batch {s['batch']} x seq {s['seq']}; gradient checkpointing {'on' if s['gradient_checkpointing'] else 'off'}"
-             + f"; attention {s['attention']}", ""]
-    if bits == 8:
-        states_note = (f"8-bit for {e.params_8bit:,} of {e.n_trainable:,} trainable params"
-                       + ("" if e.model.exact else " (approximate: shapes unknown)"))
-    elif bits == 32:
-        states_note = "fp32 m and v: 8 bytes/param"
-    else:
-        states_note = "exp_avg, exp_avg_sq in the params' dtype"
-    rows = [("weights", e.weights, 0, ""),
-            ("gradients", e.gradients, 0, "trainable params only"),
-            ("optimizer states" + (" (paged)" if paged else ""), e.states_gpu, e.states_host,
-             states_note + ("; on host during fwd/bwd" if paged else "")),
-            ("activations (ESTIMATE)", e.activations, 0,
-             "Korthikanti et al. 2022, per layer s*b*h*(34+5as/h)" + ("" if s["attention"] == "eager" else ", no 5as/h (sdpa)")),
-            ("CUDA context (constant)", e.context, 0, "outside torch's allocator"),
-            ]
-    width = 26
-    lines.append(f"{'':{width}} {'GPU GiB':>9}  {'host GiB':>9}  note")
-    for name, gpu_b, host_b, note in rows:
-        lines.append(f"{name:{width}} {_g(gpu_b)}  {_g(host_b) if host_b else ' ' * 9}  {note}")
-    lines.append("-" * (width + 24))
-    lines.append(f"{'peak, forward/backward':{width}} {_g(e.forward_backward)}")
-    lines.append(f"{'peak, optimizer step':{width}} {_g(e.optimizer_step)}  {' ' * 9}  "
-                 f"incl. {e.step_temporaries / GIB:.2f} GiB step temporaries"
-                 + ("; paged states stream in 64 MiB chunks" if paged else ""))
-    lines.append(f"{'PEAK (estimate)':{width}} {_g(e.peak)}")
-    if e.activations is None:
-        lines.append("activations unknown (no architecture): the peak excludes them")
-    if gpu is not None:
-        name, gib = gpu_capacity(gpu)
-        cap = int(gib * GIB)
-        verdict = ("fits" if e.peak <= cap else "does NOT fit") + f": needs {e.peak / GIB:.1f} GiB of {gib:g} GiB"
-        mb = e.max_batch(cap)
-        lines += ["", f"on {name}: {verdict}"
-                  + (f"; largest batch at seq {s['seq']}: {mb or 'none'}" if e.activations is not None else "")]
-        if compare:
-            lines.append("same run with each optimizer:")
-            for opt in OPTIMIZERS:
-                other = estimate(e.model, opt, e.weights_dtype, lora_rank=s["lora_rank"], lora_mlp=s["lora_mlp"],
-                                 batch=s["batch"], seq=s["seq"], gradient_checkpointing=s["gradient_checkpointing"],
-                                 attention=s["attention"], min_8bit_size=s["min_8bit_size"],
-                                 embeddings_32bit=s["embeddings_32bit"], act_dtype=s.get("act_dtype"),
-                                 context_bytes=e.context)
-                lines.append(f"  {opt:18} states {other.state_bytes / GIB:8.2f} GiB  peak {other.peak / GIB:8.2f} GiB  "
-                             + ("fits" if other.peak <= cap else "does not fit")
-                             + (f", largest batch {other.max_batch(cap) or 'none'}" if other.activations is not None else ""))
-    lines.append("Weights, gradients and optimizer states are exact for the given shapes; activations are an "
-                 "estimate (measure with pagedopt.memory.memory_report).")
-    return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="pagedopt-mem", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", type=float, help="parameter count, e.g. 7e9 (optimizer states then approximate)")
-    src.add_argument("--config", help=f"config.json (or its directory) of a transformers model, or a preset: "
-                                       f"{', '.join(PRESETS)}")
-    p.add_argument("--no-transformers", action="store_true", help="count with the Llama formula, not a meta model")
-    p.add_argument("--weights", choices=list(DTYPE_BYTES), default="bf16", help="dtype of the weights (and gradients)")
-    p.add_argument("--activations", choices=list(DTYPE_BYTES), default=None, dest="act_dtype",
-                   help="dtype of activations (default: that of the weights; bf16 for fp32 weights under autocast)")
-    p.add_argument("--optimizer", default="paged_adamw_8bit",
-                   help=f"{', '.join(OPTIMIZERS)} (Trainer names such as pagedopt_adamw_8bit work too)")
-    p.add_argument("--min-8bit-size", type=int, default=4096)
-    p.add_argument("--embeddings-32bit", action="store_true",
-                   help="embeddings keep 32-bit states (what the pagedopt Trainer names do by default)")
-    p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA rank (0: full fine-tuning)")
-    p.add_argument("--lora-mlp", action="store_true", help="LoRA on the MLP projections too")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa")
-    p.add_argument("--gpu", help="GPU memory in GiB or a name: " + ", ".join(GPUS))
-    p.add_argument("--json", action="store_true", help="print the figures as JSON (bytes)")
-    a = p.parse_args(argv)
-    try:
-        model = (model_from_params(a.params) if a.params is not None
-                 else model_from_config(a.config, use_transformers=not a.no_transformers))
-        e = estimate(model, a.optimizer, a.weights, lora_rank=a.lora, lora_mlp=a.lora_mlp, batch=a.batch, seq=a.seq,
-                     gradient_checkpointing=a.gradient_checkpointing, attention=a.attention,
-                     min_8bit_size=a.min_8bit_size, embeddings_32bit=a.embeddings_32bit, act_dtype=a.act_dtype)
-        if a.gpu is not None:
-            gpu_capacity(a.gpu)
-    except (ValueError, FileNotFoundError, KeyError) as err:
-        p.error(str(err))
-    if a.json:
-        out = {k: getattr(e, k) for k in ("n_params", "n_trainable", "weights", "gradients", "state_bytes", "states_gpu",
-                                          "states_host", "activations", "step_temporaries", "context")}
-        out.update(forward_backward=e.forward_backward, optimizer_step=e.optimizer_step, peak=e.peak,
-                   source=e.model.source, optimizer=e.optimizer)
-        if a.gpu is not None:
-            out["max_batch"] = e.max_batch(int(gpu_capacity(a.gpu)[1] * GIB))
-        print(json.dumps(out, indent=1))
-    else:
-        print(format_estimate(e, a.gpu))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,11 +1,12 @@
 """Measuring a run's memory: what the process holds now (CUDA allocator, resident set, a paged
-optimizer's residency), for a plain loop (``log_memory``) and the Trainer callback
-(pagedopt.integrations.callbacks). The estimator is pagedopt.memory."""
+optimizer's residency): :func:`memory_report`, :func:`report_gib`, and :func:`log_memory` for a
+plain loop; the Trainer callback (pagedopt.integrations.callbacks) uses them too. The estimator is
+pagedopt.memory.estimator."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from .memory_tables import GIB
+from .tables import GIB
 
 # ------------------------------------------------------------------------------------------------
 # measuring a run
@@ -46,7 +47,7 @@ def memory_report(optimizer=None, device=None) -> dict:
         pass
     opt = _unwrap(optimizer)
     if opt is not None:
-        from .optim.base import optimizer_state_bytes
+        from ..optim.base import optimizer_state_bytes
 
         out["optimizer_state_bytes"] = int(optimizer_state_bytes(opt))
         stats = opt.paging_stats() if hasattr(opt, "paging_stats") else None
