@@ -48,6 +48,16 @@ def _run_update(optimizer: "QuantizedOptimizer") -> None:
 _update_outside_graph = torch._disable_dynamo(_run_update, recursive=True)
 
 
+def _same(a, b) -> bool:
+    """Whether a setting is unchanged: the same object, or equal values that are not tensors (a
+    tensor lr changed in place is the same object: the kernels read it where it is)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return type(a) is type(b) and a == b
+
+
 class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
     """An optimizer with 8-bit blockwise-quantized or 32-bit states, optionally paged; the
     algorithm is the class's ``algorithm`` spec. ``defaults`` holds the param-group settings
@@ -89,6 +99,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         self._codebooks: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._plan_version = 0  # bumped whenever param groups are replaced or added
         self._plan = None
+        self._checked_settings: list[dict] = []  # each group's settings as last checked (_check_changed_settings)
         self._backward_updates = None  # set_pager(..., update_in_backward=True): backward_updates.py
 
     # ------------------------------------------------------------------ what the pipeline reads
@@ -232,6 +243,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
     def _update(self) -> None:
         """The update of step(), always eager (see step()): the fast step when the plan allows it,
         else the rest of updates during backward or the ordinary step."""
+        self._check_changed_settings()
         plan = self._plan
         if plan is not None and plan.fast and fast_step(self, plan):
             return
@@ -245,6 +257,19 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
             if bwd.enabled:
                 bwd.refuse_grad_scaler(self)
             bwd.make_schedule(self, self._update_params())
+
+    def _check_changed_settings(self) -> None:
+        """Settings changed in ``param_groups`` since they were last checked (by hand, a scheduler
+        replacing a value) are checked before anything changes, with the constructor's messages."""
+        seen = self._checked_settings
+        if len(seen) != len(self.param_groups):
+            seen[:] = [{} for _ in self.param_groups]
+        for gi, group in enumerate(self.param_groups):
+            last = seen[gi]
+            if len(last) + 1 == len(group) and all(k in group and _same(v, group[k]) for k, v in last.items()):
+                continue
+            self.check_hyperparameters(group, f"param_groups[{gi}]")
+            seen[gi] = {k: v for k, v in group.items() if k != "params"}
 
     def _update_params(self, exclude=frozenset()) -> Optional[StepPlan]:
         """The ordinary step of the parameters with gradients (but those in ``exclude``, ids); its plan."""
