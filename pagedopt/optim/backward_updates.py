@@ -1,5 +1,10 @@
-"""Updates during backward for host-resident states: ``set_pager(residency="host",
-update_in_backward=True)``.
+"""Updates during backward: ``set_pager(update_in_backward=True)``, with any residency (states
+resident, paged under a device budget, or host-resident).
+
+Once a parameter's update has run, its gradient is released (``p.grad = None``; the memory goes
+back once the update stream has read it), so that gradients take about one chunk of device memory
+instead of the whole model's; ``set_pager(..., keep_grads=True)`` keeps them for code that reads them
+after backward.
 
 Host-resident states cross the link twice per step (in, then back). After backward the whole
 crossing waits for the update; during backward the link is idle. Here each parameter's update
@@ -44,6 +49,7 @@ from . import kernels
 from .backward_schedule import Run, cut_into_chunks
 from .grad_checks import locate, raise_bad_grad
 from .plan import group_of
+from . import residency
 from .residency import make_chunk
 from .update_worker import UpdateWorker
 
@@ -97,6 +103,8 @@ class BackwardUpdates:
     def __init__(self, opt):
         self._opt = weakref.ref(opt)
         self.enabled = True
+        self.keep_grads = False               # True: gradients stay after their update (set_pager(keep_grads=True))
+        self._last_chunk: dict = {}           # id(param) -> (device, chunk) that updates its last piece
         self._hooked: dict[int, object] = {}  # id(param) -> hook handle
         # a dropped optimizer's hooks come off its parameters (a model outliving many optimizers, as
         # in a sweep, would otherwise call every old one's inert hook in each backward)
@@ -212,6 +220,7 @@ class BackwardUpdates:
     def drop_schedule(self) -> None:
         self._plan = self._schedule = self._runs = self._pass_plans = None
         self._chunk_of = {}
+        self._last_chunk = {}
 
     def make_schedule(self, opt, plan) -> None:
         """After an ordinary step of ``plan``: chunks in the order the gradients arrived, and the
@@ -227,18 +236,20 @@ class BackwardUpdates:
                 return  # not a paged optimizer's bucket: leave everything to step()
             for j, p in enumerate(b.params):
                 position[id(p)] = (bi, j)
-        limit = max(opt.pager.device_buffer_bytes // self.chunks_per_buffer, 1)
+        limit = residency.pass_chunk_bytes(opt.pager, self.chunks_per_buffer)
         schedule = cut_into_chunks(opt.algorithm, plan, arrived, position, limit)
         self._plan = plan
         self._schedule = schedule
         # laid out once: each step's pass reuses the layouts and the device views
-        self._pass_plans = {device: opt.pager.plan_pass(self._groups(chunks))
+        self._pass_plans = {device: residency.plan_pass(opt.pager, self._groups(chunks))
                             for device, chunks in self._schedule.items()}
         self._chunk_of = {}
         for device, chunks in self._schedule.items():
             for k, (_, ids) in enumerate(chunks):
                 for pid in ids:
                     self._chunk_of.setdefault(pid, []).append((device, k))
+        # the chunk that updates the last piece of each parameter: its gradient is released there
+        self._last_chunk = {pid: places[-1] for pid, places in self._chunk_of.items()}
         self._open_passes(opt)
 
     @staticmethod
@@ -249,8 +260,8 @@ class BackwardUpdates:
         """The coming step's pager passes: their first copies in start now."""
         depth = self.chunks_per_buffer - 1
         copies = self.copy_trace
-        self._runs = {device: Run(chunks, opt.pager.open_pass(device, self._pass_plans[device], depth,
-                                                                trace=copies))
+        self._runs = {device: Run(chunks, residency.open_pass(opt.pager, device, self._pass_plans[device], depth,
+                                                              trace=copies))
                       for device, chunks in self._schedule.items()}
 
     # ------------------------------------------------------------------ updates
@@ -301,14 +312,16 @@ class BackwardUpdates:
                          "or load a checkpoint)") from None
 
     def _update_chunk(self, opt, device: torch.device, run: Run, k: int, plan, ready=None,
-                      verdicts: Optional[list] = None) -> None:
+                      verdicts: Optional[list] = None, release: bool = True) -> None:
         """Update chunk k (``run.next``) on the update stream, after the work queued so far (or,
         from the worker, after ``ready``), with the gradients its parameters have now (those
-        without one are left alone); ``verdicts``: its parts' gradients, already checked."""
+        without one are left alone); ``verdicts``: its parts' gradients, already checked;
+        ``release``: free the gradients it finished with (during backward; step() keeps them)."""
         parts, _ = run.chunks[k]
         if not self._began:
             self._began = True
-            opt.pager.begin_step()  # the step's first chunk
+            if opt.pager is not None:
+                opt.pager.begin_step()  # the step's first chunk
         stream = self._stream(device)
         marks = None
         if stream is not None:
@@ -328,9 +341,12 @@ class BackwardUpdates:
                 marks[0].record(stream)
             view_of = {id(t): v for t, v in zip(run.pass_.groups[k], views)}
             try:
+                updated = []
                 for i, (bi, positions) in enumerate(parts):
-                    self._update_part(opt, plan.buckets[bi], positions, view_of,
-                                      None if verdicts is None else verdicts[i])
+                    updated += self._update_part(opt, plan.buckets[bi], positions, view_of,
+                                                 None if verdicts is None else verdicts[i])
+                if release and not self.keep_grads:
+                    self._release_grads(updated, device, k, stream)
             except ValueError as exc:  # a bad gradient (checked here when not by the hook): the step is abandoned
                 if verdicts is not None:
                     raise
@@ -355,10 +371,23 @@ class BackwardUpdates:
             self._arrived, self._arrived_set = [], set()
             self._reset_step()
 
-    def _update_part(self, opt, bucket, pieces: list, view_of: dict, verdict: Optional[int] = None) -> None:
+    def _release_grads(self, params: list, device, k: int, stream) -> None:
+        """Free the gradients of the parameters whose last piece chunk k updated (``p.grad = None``):
+        their memory goes back to the caching allocator once the update stream has read them."""
+        for p in params:
+            if self._last_chunk.get(id(p)) != (device, k):
+                continue
+            g = p.grad
+            if g is not None:
+                if stream is not None:
+                    g.record_stream(stream)
+                p.grad = None
+
+    def _update_part(self, opt, bucket, pieces: list, view_of: dict, verdict: Optional[int] = None) -> list:
+        """Chunk pieces of one bucket updated with one call; the parameters updated."""
         pieces = [piece for piece in pieces if bucket.params[piece.j].grad is not None]
         if not pieces:
-            return
+            return []
         params = [bucket.params[piece.j] for piece in pieces]
         grads = [p.grad for p in params]
         if verdict is None:  # not checked by the hook
@@ -381,6 +410,7 @@ class BackwardUpdates:
         kernels.step_chunk(opt.algorithm, bucket, group_of(opt.param_groups, bucket),
                            make_chunk(params, grads, lists, contiguous), None, None)
         self._updated.update(id(bucket.params[piece.j]) for piece in pieces)
+        return [bucket.params[piece.j] for piece in pieces]
 
     # ------------------------------------------------------------------ step()
     def active(self, opt) -> bool:
@@ -413,7 +443,7 @@ class BackwardUpdates:
                 while run.queued < len(run.chunks):
                     k = run.queued
                     run.queued += 1
-                    self._update_chunk(opt, device, run, k, self._plan)
+                    self._update_chunk(opt, device, run, k, self._plan, release=False)
         except BaseException:
             self.drop_schedule()  # an error in the middle of the chunks: the next step is an ordinary one
             raise

@@ -245,9 +245,9 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         else the rest of updates during backward or the ordinary step."""
         self._check_changed_settings()
         plan = self._plan
-        if plan is not None and plan.fast and fast_step(self, plan):
-            return
         bwd = self._backward_updates
+        if plan is not None and plan.fast and (bwd is None or not bwd.active(self)) and fast_step(self, plan):
+            return
         if bwd is None:
             self._update_params()
         elif bwd.active(self):  # updates during backward (backward_updates.py): the rest of them
@@ -379,6 +379,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
                 "budget_bytes": getattr(self._pager, "budget_bytes", None),
                 "device_buffer_bytes": getattr(self._pager, "device_buffer_bytes", None),
                 "update_in_backward": None if self._backward_updates is None else self._backward_updates.enabled,
+                "keep_grads": self._backward_updates is not None and self._backward_updates.keep_grads,
                 "state": {p: checkpoint.portable_param_state(s) for p, s in self.state.items()}}
 
     def __setstate__(self, state: dict) -> None:
@@ -388,6 +389,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         budget_bytes = state.pop("budget_bytes", None)
         device_buffer_bytes = state.pop("device_buffer_bytes", None)
         update_in_backward = state.pop("update_in_backward", None)
+        keep_grads = state.pop("keep_grads", False)
         saved_state = state.pop("state", {})
         super().__setstate__(state)
         pager = None
@@ -410,5 +412,5 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
             table[p] = s
         self.state = table
         if update_in_backward is not None:  # the copy's parameters get hooks of their own (tensors' copies have none)
-            self._set_backward_updates(True)
+            self._set_backward_updates(True, keep_grads)
             self._backward_updates.enabled = update_in_backward

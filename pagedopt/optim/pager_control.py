@@ -21,7 +21,7 @@ class PagerControl:
     """The paging methods of QuantizedOptimizer (see there for the attributes they use)."""
 
     def set_pager(self, pager=None, *, device_budget=None, residency=None, device_buffer=None,
-                  update_in_backward: bool = False) -> None:
+                  update_in_backward: bool = False, keep_grads: bool = False) -> None:
         """Page this optimizer's states through ``pager`` (a ``pagedopt.PageManager`` or
         ``pagedopt.HostResidentPager``), or through a new one:
 
@@ -32,19 +32,33 @@ class PagerControl:
           stream through a device buffer of ``device_buffer`` bytes (default ``"256MiB"``) during
           step(), which is all the GPU memory the states take; results are bit-identical to
           resident states.
-        * ``update_in_backward=True`` (with host residency): each parameter is updated during
+        * ``update_in_backward=True`` (with any of them): each parameter is updated during
           ``backward()`` as soon as its gradient is final, so that the states' copies overlap with
-          backward; ``step()`` updates what is left. Bit for bit the ordinary step; not with
+          backward, and its gradient is then released (``p.grad = None``; ``keep_grads=True``
+          keeps it); ``step()`` updates what is left. Bit for bit the ordinary step; not with
           gradient clipping, GradScaler, DDP or FSDP2 (see pagedopt/optim/backward_updates.py).
           ``opt.update_in_backward = False`` turns it off (e.g. for gradient accumulation's
           micro-batches) and ``True`` on again.
 
-        Paged optimizers only, before their first step: states already made stay where their
-        pager put them, so changing it later raises a ValueError."""
+        Paged optimizers, before their first step: states already made stay where their pager put
+        them, so changing it later raises a ValueError. An optimizer that does not page takes
+        ``set_pager(update_in_backward=True)`` (and ``keep_grads``) alone."""
         from ..paging import HostResidentPager, PageManager
 
+        if not isinstance(keep_grads, bool):
+            raise ValueError(f"set_pager: keep_grads must be True or False, got {keep_grads!r}")
         if not self.is_paged:
-            raise ValueError(f"{type(self).__name__} is not a paged optimizer; use its Paged* class to page states")
+            if pager is not None or device_budget is not None or residency is not None or device_buffer is not None:
+                raise ValueError(f"{type(self).__name__} is not a paged optimizer; use its Paged* class to page "
+                                 "states (it takes set_pager(update_in_backward=True) alone)")
+            if not isinstance(update_in_backward, bool):
+                raise ValueError(f"set_pager: update_in_backward must be True or False, got {update_in_backward!r}")
+            if update_in_backward:
+                from .backward_updates import refuse_unsupported
+
+                refuse_unsupported(self)
+            self._set_backward_updates(update_in_backward, keep_grads)
+            return
         if any(len(s) for s in self.state.values()):
             raise ValueError("set_pager: this optimizer already holds states (set the pager before the first step "
                              "or load_state_dict)")
@@ -54,14 +68,12 @@ class PagerControl:
             raise ValueError("set_pager: device_buffer=... goes with residency='host'")
         if not isinstance(update_in_backward, bool):
             raise ValueError(f"set_pager: update_in_backward must be True or False, got {update_in_backward!r}")
-        if update_in_backward and not (residency == "host" or isinstance(pager, HostResidentPager)):
-            raise ValueError("set_pager: update_in_backward=True goes with residency='host' (host-resident states)")
         if update_in_backward:
             from .backward_updates import refuse_unsupported
 
             refuse_unsupported(self)
         chosen = sum(x is not None for x in (pager, device_budget)) + (residency == "host")
-        if chosen != 1 and not (residency == "device" and chosen == 0):
+        if chosen != 1 and not (chosen == 0 and (residency == "device" or update_in_backward)):
             raise ValueError("set_pager takes a pager, device_budget=... or residency='host', exactly one of them")
         if pager is not None and not isinstance(pager, (PageManager, HostResidentPager)):
             raise ValueError("set_pager: pager must be a pagedopt.PageManager or pagedopt.HostResidentPager, got "
@@ -79,9 +91,9 @@ class PagerControl:
             pager = PageManager(budget, arena_bytes=PAGED_SLAB_BYTES)
         self._pager = pager
         self._plan = None
-        self._set_backward_updates(update_in_backward)
+        self._set_backward_updates(update_in_backward, keep_grads)
 
-    def _set_backward_updates(self, on: bool) -> None:
+    def _set_backward_updates(self, on: bool, keep_grads: bool = False) -> None:
         from .backward_updates import BackwardUpdates
 
         if self._backward_updates is not None:
@@ -89,6 +101,7 @@ class PagerControl:
             self._backward_updates = None
         if on:
             self._backward_updates = BackwardUpdates(self)
+            self._backward_updates.keep_grads = keep_grads
             self._backward_updates.hook_params(p for g in self.param_groups for p in g["params"])
 
     @property
@@ -103,8 +116,7 @@ class PagerControl:
             raise ValueError(f"update_in_backward must be True or False, got {value!r}")
         if self._backward_updates is None:
             if value:
-                raise ValueError("update_in_backward: turn it on with set_pager(residency='host', "
-                                 "update_in_backward=True) first")
+                raise ValueError("update_in_backward: turn it on with set_pager(update_in_backward=True) first")
             return
         self._backward_updates.enabled = value
 

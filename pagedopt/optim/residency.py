@@ -99,3 +99,45 @@ def _streamed(pager, keys, states: list[dict], lists: dict, params, grads, conti
         view_of = {id(t): v for t, v in zip(groups[i], views)}
         yield make_chunk([params[j] for j in chunk], [grads[j] for j in chunk],
                          {k: [view_of.get(id(lst[j]), lst[j]) for j in chunk] for k, lst in lists.items()}, contiguous)
+
+
+# ------------------------------------------------------------------ passes (updates during backward)
+class DirectPass:
+    """A pass over groups of state tensors that stay where they are (no pager, or a PageManager):
+    ``take(k)`` hands out group k's tensors themselves, after a PageManager whose states are not all
+    on the GPU has paged them in (its ``stage``, which pages the next groups in ahead); ``give_back``
+    has nothing to copy back. The same calls as a HostResidentPager's pass, which copies in and back."""
+
+    def __init__(self, pager, groups: list):
+        self.groups = groups
+        self._staged = None if all_resident(pager) else iter(pager.stage(groups))
+
+    def take(self, k: int) -> list:
+        if self._staged is not None:
+            for i in self._staged:
+                if i >= k:
+                    break
+        return self.groups[k]
+
+    def give_back(self, k: int) -> None:
+        pass
+
+
+def pass_chunk_bytes(pager, chunks_per_buffer: int) -> int:
+    """The state bytes of a chunk of updates during backward: a share of a streaming pager's
+    device buffer (every chunk of it in flight), else CHUNK_BYTES."""
+    if streams_states(pager):
+        return max(pager.device_buffer_bytes // chunks_per_buffer, 1)
+    return CHUNK_BYTES
+
+
+def plan_pass(pager, groups: list):
+    """Laid out once per schedule: a streaming pager's plan of the groups' copies, else the groups."""
+    return pager.plan_pass(groups) if streams_states(pager) else groups
+
+
+def open_pass(pager, device, planned, depth: int, trace=None):
+    """One step's pass over the planned groups (see DirectPass and HostResidentPager.open_pass)."""
+    if streams_states(pager):
+        return pager.open_pass(device, planned, depth, trace=trace)
+    return DirectPass(pager, planned)
