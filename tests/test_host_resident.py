@@ -197,7 +197,10 @@ def test_set_pager_host_refusals_name_the_argument_and_change_nothing():
     with pytest.raises(ValueError, match="not a paged optimizer"):
         pagedopt.AdamW8bit(_params()).set_pager(residency="host")
     assert not isinstance(opt._pager, HostResidentPager)
-    # a parameter whose states do not fit the buffer: refused before any state is made
+    # states that cannot be cut (AdEMAMix's stacked moments) and do not fit the buffer: refused
+    # before any state is made
+    params = _params()
+    opt = _make("PagedAdEMAMix8bit", params)
     opt.set_pager(residency="host", device_buffer="4KiB")
     before = [p.detach().clone() for p in params]
     for p in params:
@@ -206,6 +209,39 @@ def test_set_pager_host_refusals_name_the_argument_and_change_nothing():
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(params, before))
     assert all(len(s) == 0 for s in opt.state.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedAdamW32bit", "PagedLion8bit", "PagedAdam"])
+def test_states_larger_than_the_device_buffer_stream_in_pieces_bit_for_bit(name, dtype):
+    """No parameter is refused for its size: with a 16 KiB buffer, states larger than the whole
+    buffer (a transposed, non-contiguous (96, 200) parameter's, through a contiguous copy) and
+    than a chunk stream in pieces of whole blocks, bit for bit the resident states' step."""
+    runs = []
+    for residency in ("device", "host"):
+        params = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params(3)]
+        big = torch.nn.Parameter(torch.randn(200, 96, generator=torch.Generator().manual_seed(9)).to(dtype).t())
+        params.append(big)  # non-contiguous, 19200 elements
+        opt = _make(name, params)
+        opt.set_pager(residency=residency, **({"device_buffer": "16KiB"} if residency == "host" else {}))
+        g = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).to(dtype)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", pagedopt.paging.PagingFallbackWarning)
+                opt.step()
+        runs.append((params, opt))
+    (ref, ref_opt), (host, host_opt) = runs
+    for a, b in zip(ref, host):
+        assert torch.equal(a, b)
+    largest = max(sum(t.numel() * t.element_size() for k, t in host_opt.state[p].items()
+                      if k.startswith(("state", "absmax"))) for p in host)
+    assert largest > 16 << 10  # some state is larger than the whole buffer
+    for p, q in zip(ref, host):
+        for k, v in ref_opt.state[p].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, host_opt.state[q][k]), k
 
 
 def test_residency_device_is_the_default_pager():

@@ -60,7 +60,7 @@ def step_bucket(spec: AlgorithmSpec, pager, group: dict, bucket: Bucket, params,
         hyper, lr = kernels.hyper_and_lr(spec, group, bucket.device)
         _ops.quantized_step_list_(bucket.held, params, grads, hyper, grad_scale, found_inf, lr)
         return
-    chunks = residency.chunks(pager, spec.memory_keys, bucket, params, grads, contiguous)
+    chunks = residency.chunks(pager, spec.memory_keys, bucket, params, grads, contiguous, residency.cuttable(spec))
     if spec.norm_scaled and any(is_dtensor(p) for p in bucket.params):
         _step_sharded_norm_scaled(spec, pager, group, bucket, params, chunks, grad_scale, found_inf)
         return

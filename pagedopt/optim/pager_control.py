@@ -146,8 +146,14 @@ class PagerControl:
         return optimizer_state_bytes(self)
 
     def check_fits_device_buffer(self, config: dict, p: torch.Tensor, gi: int, pi: int) -> None:
-        """Host-resident states stream a parameter's states in one piece: they must fit the device
-        buffer. Checked before the states are made, so a refused step changes nothing."""
+        """Host-resident states stream through the device buffer in pieces of whole blocks, so any
+        size fits; but the states of an algorithm that cannot be cut (stacked moments, an update
+        scaled by the whole tensor's norm) stream in one piece and must fit the buffer. Checked
+        before the states are made, so a refused step changes nothing."""
+        from .residency import cuttable
+
+        if cuttable(self.algorithm):
+            return
         state = self.state.get(p, {})
         keys = self.algorithm.memory_keys
         if any(isinstance(state.get(k), torch.Tensor) for k in keys):

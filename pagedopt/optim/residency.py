@@ -17,6 +17,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..paging import aligned_bytes
+from ..quant import STATE_BLOCK_SIZE
+
 # Paged steps are split into chunks of about this many state bytes, so that paging in the
 # next chunk overlaps the update of the current one.
 CHUNK_BYTES = 64 << 20
@@ -60,20 +63,68 @@ def make_chunk(params, grads, lists: dict, contiguous: bool) -> Chunk:
     return Chunk(params, work_params, work_grads, lists)
 
 
+# Pieces of a cut parameter start at multiples of this many elements: whole 256-element blocks of
+# 8-bit states, and whole vectors of torch's fused 32-bit CPU kernel (see kernels.FP32_COPY_ALIGN)
+CUT_ALIGN = 1024
+
+
+class Piece:
+    """What a chunk updates of one parameter (position ``j`` in its bucket): all of it
+    (``start`` None) or the flat elements [start, end), whole blocks; ``host``: the host state
+    tensors (or their flat ranges) that the pager moves for it."""
+
+    __slots__ = ("j", "start", "end", "host", "by_key", "nbytes")
+
+    def __init__(self, j: int, start, end, by_key: dict):
+        self.j, self.start, self.end, self.by_key = j, start, end, by_key
+        self.host = list(by_key.values())
+        self.nbytes = sum(aligned_bytes(t.numel() * t.element_size()) for t in self.host)
+
+
+def pieces(j: int, p: torch.Tensor, state: dict, keys: tuple, limit: int, cuttable: bool) -> list:
+    """``p``'s state in pieces of at most ``limit`` bytes of whole blocks (one piece when it fits,
+    or cannot be cut: stacked moments, a non-contiguous parameter)."""
+    host = {k: state[k] for k in keys if k in state}
+    whole = Piece(j, None, None, host)
+    n = p.numel()
+    if not cuttable or whole.nbytes <= limit or not p.is_contiguous():
+        return [whole]
+    per_element = sum(t.element_size() for k, t in host.items() if k.startswith("state"))
+    step = max(limit // max(per_element, 1) // CUT_ALIGN * CUT_ALIGN, CUT_ALIGN)
+    out = []
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        by_key = {}
+        for k, t in host.items():
+            if k.startswith("absmax"):
+                by_key[k] = t.view(-1)[a // STATE_BLOCK_SIZE:(b + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE]
+            else:
+                by_key[k] = t.view(-1)[a:b]
+        out.append(Piece(j, a, b, by_key))
+    return out
+
+
+def cuttable(spec) -> bool:
+    """Whether a parameter's states may be cut into pieces of whole blocks: not stacked moments
+    (AdEMAMix's state1), nor an update scaled by the whole tensor's norm (LARS, LAMB)."""
+    return all(s.moments == 1 for s in spec.states) and not spec.norm_scaled
+
+
 def _state_bytes(state: dict, keys) -> int:
     return sum(state[k].numel() * state[k].element_size() for k in keys if k in state)
 
 
 def chunks(pager, keys, bucket, params: list[torch.Tensor], grads: list[torch.Tensor], contiguous: bool,
-           chunk_bytes: int = CHUNK_BYTES):
+           cut: bool = False, chunk_bytes: int = CHUNK_BYTES):
     """The bucket's chunks in the order they are to be updated (see the module). ``keys``: the
     state keys that take memory (what the pager stages); ``params``/``grads``: the bucket's
-    (local shards of DTensor parameters)."""
+    (local shards of DTensor parameters); ``cut``: streamed states larger than a chunk may be cut
+    into pieces of whole blocks (``cuttable``)."""
     from ..paging import split_by_bytes
 
     states, lists = bucket.states, bucket.lists
     if streams_states(pager):
-        yield from _streamed(pager, keys, states, lists, params, grads, contiguous, chunk_bytes)
+        yield from _streamed(pager, keys, states, lists, params, grads, contiguous, cut, chunk_bytes)
         return
     if all_resident(pager):
         yield make_chunk(params, grads, lists, contiguous)
@@ -85,20 +136,38 @@ def chunks(pager, keys, bucket, params: list[torch.Tensor], grads: list[torch.Te
                          {k: [lst[j] for j in chunk] for k, lst in lists.items()}, contiguous)
 
 
-def _streamed(pager, keys, states: list[dict], lists: dict, params, grads, contiguous: bool, chunk_bytes: int):
+def _streamed(pager, keys, states: list[dict], lists: dict, params, grads, contiguous: bool, cut: bool,
+              chunk_bytes: int):
     """Chunks of host-resident states streamed through the pager's device buffer: each chunk's
     state tensors are swapped for the device views that ``pager.stream`` hands out (their contents
-    are copied back after the chunk's update, when the caller asks for the next chunk)."""
+    are copied back after the chunk's update, when the caller asks for the next chunk). A
+    parameter whose states exceed a chunk goes in pieces of whole blocks (flat ranges of the
+    parameter, its gradient and its states), so that no state is too large for the buffer; the
+    parameters are worked on through contiguous copies when some are not contiguous, written back
+    after the last chunk."""
     from ..paging import split_by_bytes
 
+    work_params, work_grads = (params, grads) if contiguous else contiguous_views(params, grads)
     chunk_bytes = min(chunk_bytes, max(pager.device_buffer_bytes // 3, 1))
-    positions = split_by_bytes(list(range(len(states))), lambda j: _state_bytes(states[j], keys), chunk_bytes)
-    groups = [[states[j][k] for j in chunk for k in keys if k in states[j]] for chunk in positions]
+    items = [piece for j in range(len(states))
+             for piece in pieces(j, work_params[j], states[j], keys, chunk_bytes, cut)]
+    positions = split_by_bytes(items, lambda piece: piece.nbytes, chunk_bytes)
+    groups = [[t for piece in chunk for t in piece.host] for chunk in positions]
     for i, views in pager.stream(params[0].device, groups):
-        chunk = positions[i]
         view_of = {id(t): v for t, v in zip(groups[i], views)}
-        yield make_chunk([params[j] for j in chunk], [grads[j] for j in chunk],
-                         {k: [view_of.get(id(lst[j]), lst[j]) for j in chunk] for k, lst in lists.items()}, contiguous)
+        chunk = positions[i]
+        chunk_params = [_flat(work_params[pc.j], pc) for pc in chunk]
+        chunk_grads = [_flat(work_grads[pc.j], pc) for pc in chunk]
+        chunk_lists = {k: [view_of[id(pc.by_key[k])] if k in pc.by_key else lst[pc.j] for pc in chunk]
+                       for k, lst in lists.items()}
+        yield Chunk(chunk_params, chunk_params, chunk_grads, chunk_lists)
+    if work_params is not params:
+        write_back(params, work_params)
+
+
+def _flat(t: torch.Tensor, piece) -> torch.Tensor:
+    """``t`` (contiguous), or the flat range of it that ``piece`` covers."""
+    return t if piece.start is None else t.view(-1)[piece.start:piece.end]
 
 
 # ------------------------------------------------------------------ passes (updates during backward)
