@@ -13,7 +13,7 @@ ops = torch.ops.pagedopt
 
 def has_cuda_kernels() -> bool:
     """True when this build of pagedopt carries the CUDA kernels."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key("pagedopt::adam8bit_step_", "CUDA")
+    return torch._C._dispatch_has_kernel_for_dispatch_key("pagedopt::quantized_step_", "CUDA")
 
 
 def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, blocksize: int = 256):
@@ -33,15 +33,6 @@ def check_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -
     """Index of the first gradient that does not match its parameter, else GRADS_CONTIGUOUS or
     GRADS_NOT_CONTIGUOUS."""
     return ops.check_grads(list(params), list(grads))
-
-
-def adam8bit_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], state1, state2, absmax1,
-                   absmax2, steps, code1: torch.Tensor, code2: torch.Tensor, *, lr: float, beta1: float,
-                   beta2: float, eps: float, weight_decay: float, decoupled: bool,
-                   grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> None:
-    ops.adam8bit_step_(list(params), list(grads), list(state1), list(state2), list(absmax1), list(absmax2),
-                       list(steps), code1, code2, float(lr), float(beta1), float(beta2), float(eps),
-                       float(weight_decay), bool(decoupled), grad_scale, found_inf)
 
 
 def quantized_step_(algorithm: str, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -98,12 +89,6 @@ def _quantize_blockwise_fake(x, code, blocksize):
 def _dequantize_blockwise_fake(codes, absmax, code, blocksize, dtype):
     torch._check(codes.dtype == torch.uint8)
     return torch.empty_like(codes, dtype=dtype)
-
-
-@torch.library.register_fake("pagedopt::adam8bit_step_")
-def _adam8bit_step_fake(params, grads, state1, state2, absmax1, absmax2, steps, code1, code2, lr, beta1, beta2,
-                        eps, weight_decay, decoupled, grad_scale, found_inf):
-    return None
 
 
 @torch.library.register_fake("pagedopt::check_grads")

@@ -10,7 +10,7 @@ float32 torch-ops Adam/AdamW (decoupled decay for the AdamW classes, L2 for the 
 Tolerances (after a step; every other rule changes no number, so the optimizer must then equal
 the reference exactly):
 
-* 8-bit, from tests/test_adam8bit_kernel.py (the CPU op against the same reference, one step from
+* 8-bit, from tests/test_adam_engine.py (the CPU op against the same reference, one step from
   the same state): absmax within rtol 1e-6; parameters within one ulp of their dtype; all codes but
   max(2, n // 500) equal, the others ties within fp32 rounding, i.e. neighbouring codes.
 * 32-bit (torch's fused kernel against the float32 torch ops here): the same formula in a
