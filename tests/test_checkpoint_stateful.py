@@ -4,7 +4,7 @@ changed and param groups added, in any order, and after every rule it equals a p
 reference of the same algorithm that keeps its own state per parameter across all rules.
 
 The reference never calls pagedopt's ops: 8-bit states follow tests/reference.py's
-adam8bit_step_reference (pagedopt/adam.h's operation order in torch ops), 32-bit states a
+adam8bit_step_reference (pagedopt/adam_update.h's operation order in torch ops), 32-bit states a
 float32 torch-ops Adam/AdamW (decoupled decay for the AdamW classes, L2 for the Adam ones).
 
 Tolerances (after a step; every other rule changes no number, so the optimizer must then equal

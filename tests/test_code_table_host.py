@@ -18,7 +18,7 @@ from pagedopt import quant
 # ---------------------------------------------------------------------------------------------
 _HOST_CHECK = r"""
 #include "multi_tensor.cuh"
-#include "pagedopt/adam.h"
+#include "pagedopt/adam_update.h"
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>

@@ -2,7 +2,7 @@
 functor; the other algorithms: tests/test_family_8bit.py; quantize and dequantize:
 tests/test_cuda_quantize.py).
 
-The 8-bit Adam step shares its element math (pagedopt/adam.h). The moments use only correctly
+The 8-bit Adam step shares its element math (pagedopt/adam_update.h). The moments use only correctly
 rounded operations (fmaf, *), so from identical inputs one step gives bit-identical codes and
 absmax on both backends. The parameter goes through the GPU's approximate sqrt and division
 (within 2 ulp each, subnormals flushed), so it may differ from the CPU's by
