@@ -1,10 +1,12 @@
-"""Typed Python wrappers over torch.ops.pagedopt.*, and a fake (meta) implementation of each
-op so that torch.compile and torch.library.opcheck can trace them."""
+"""Typed Python wrappers over torch.ops.pagedopt.*, and a fake (meta) implementation of every
+op so that torch.compile, torch.export and torch.library.opcheck can trace them
+(tests/test_op_fakes.py fails for an op of csrc/pagedopt.cpp without one)."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, unset_fake_temporarily
 
 from . import _C  # noqa: F401  (loads the library, which registers the ops)
 
@@ -132,6 +134,32 @@ def _pinned_empty_fake(size, dtype):
 @torch.library.register_fake("pagedopt::advise_preferred_location_")
 def _advise_fake(t, to):
     return None
+
+
+@torch.library.register_fake("pagedopt::concurrent_managed_access")
+def _concurrent_managed_access_fake(device_index):
+    # A property of the device, not of any tensor: the fake gives the real answer (the op run
+    # outside the fake mode), the one eager code sees.
+    with unset_fake_temporarily():
+        return ops.concurrent_managed_access.default(device_index)
+
+
+# is_managed and residency answer where a tensor's bytes live, which is not in its metadata (a fake
+# tensor has no bytes): tracing cannot know the answer of a CUDA tensor, so their fakes raise
+# DataDependentOutputException, as torch's own ops with data-dependent non-tensor outputs do;
+# torch.compile then breaks the graph there and runs the op eagerly.
+@torch.library.register_fake("pagedopt::is_managed")
+def _is_managed_fake(t):
+    if t.device.type != "cuda":
+        return False  # as the CPU kernel: only CUDA tensors can be managed memory
+    raise DataDependentOutputException(ops.is_managed.default)
+
+
+@torch.library.register_fake("pagedopt::residency")
+def _residency_fake(t):
+    torch._check(t.device.type == "cuda",
+                 lambda: f"residency: t must be a CUDA tensor in managed memory, got a tensor on {t.device}")
+    raise DataDependentOutputException(ops.residency.default)
 
 
 @torch.library.register_fake("pagedopt::quantized_step_")
