@@ -18,7 +18,8 @@
 // (counts_for_absmax, as on the CPU).
 #include <cstdint>
 
-#include "multi_tensor.cuh"
+#include "code_table.cuh"
+#include "element_io.cuh"
 #include "pagedopt/algorithms.h"
 #include "pagedopt/codebook.h"
 #include "pagedopt/optimizer_hyper.h"

@@ -1,6 +1,6 @@
 // CUDA blockwise quantize / dequantize. Same results as csrc/cpu/quantize.cpp, bit for bit:
 // the same absmax (an exact max of the finite |x|), x * absmax_reciprocal(absmax), and nearest_code (or the exact
-// table search of multi_tensor.cuh, which returns the same code for every float).
+// table search of code_table.cuh, which returns the same code for every float).
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -10,7 +10,8 @@
 
 #include <algorithm>
 
-#include "multi_tensor.cuh"
+#include "code_table.cuh"
+#include "element_io.cuh"
 #include "launch.h"
 #include "pagedopt/codebook.h"
 

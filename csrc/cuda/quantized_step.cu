@@ -12,7 +12,7 @@
 // consecutive elements per lane, vector loads and stores, one warp reduction per moment's absmax,
 // the codes written once the new absmaxes are known, the warp's next block prefetched into L2.
 // Dequantization reads a 32-way replicated codebook (lane l reads copy l: no bank conflicts),
-// quantization one table entry per value (multi_tensor.cuh). The 32-bit states and the norm pass
+// quantization one table entry per value (code_table.cuh). The 32-bit states and the norm pass
 // use a plain kernel (element lo + k * 32 + lane of the block).
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
