@@ -1,8 +1,8 @@
 #pragma once
 // What the lanes of the CUDA kernels read and write (csrc/cuda/quantize.cu, the engine's kernels
 // csrc/cuda/quantized_step.cu and csrc/cuda/eight_bit_step_kernel.cuh): float32, bfloat16 and
-// float16 elements one at a time or 8 at once (Elem<T>), the bytes of 8 packed codes, the warp
-// absmax, and L2 prefetch hints. CUDA only.
+// float16 elements one at a time or 8 at once (Elem<T>), the bytes of 8 packed codes and L2
+// prefetch hints. CUDA only.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -83,13 +83,6 @@ struct Elem<c10::Half> : Elem16<c10::Half, half_bits_to_float, float_to_half_bit
 
 __device__ __forceinline__ uint32_t byte_of(uint2 w, int k) {
   return __byte_perm(k < 4 ? w.x : w.y, 0u, 0x4440u | static_cast<uint32_t>(k & 3));
-}
-
-// The largest of the lanes' non-negative, non-NaN floats: their bit patterns order as unsigned
-// integers, so one warp reduction instruction does it. The kernels pass finite_abs maxima (finite,
-// >= 0: +inf, whose pattern is above every finite one, never reaches it).
-__device__ __forceinline__ float warp_max_nonneg(float x) {
-  return __uint_as_float(__reduce_max_sync(kFullMask, __float_as_uint(x)));
 }
 
 // Asks for the cache line holding p to be brought into L2 (a hint: no registers, no wait).
