@@ -21,20 +21,13 @@ TORCH_LIBRARY(pagedopt, m) {
       "dequantize_blockwise(Tensor codes, Tensor absmax, Tensor code, int blocksize, "
       "ScalarType dtype) -> Tensor");
 
-  // Fused 8-bit Adam/AdamW step over a list of tensors. `steps` holds each tensor's step
-  // count (already incremented for this step) as a float32 scalar tensor on its device.
-  m.def(
-      "adam8bit_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state1, "
-      "Tensor(c!)[] state2, Tensor(d!)[] absmax1, Tensor(e!)[] absmax2, Tensor[] steps, "
-      "Tensor code1, Tensor code2, float lr, float beta1, float beta2, float eps, "
-      "float weight_decay, bool decoupled, Tensor? grad_scale, Tensor? found_inf) -> ()");
-
   // One fused step of the generic quantized-state engine (pagedopt/algorithms.h) over a list of
-  // tensors, for `algorithm` ("lion", "ademamix"). `states` holds one list of len(params) tensors
+  // tensors, for `algorithm` ("adam", "lion", "ademamix", ...). `states` holds one list of len(params) tensors
   // per state key (state1, state2), key after key; a key with several moments holds them stacked.
   // 8-bit: uint8 states, `absmax` laid out like `states` and one codebook per key in `qmaps`;
   // 32-bit: float32 states, `absmax` and `qmaps` empty. `hyper`: the algorithm's
-  // hyperparameters in its documented order. `steps` as for adam8bit_step_. `scales` (float32, one
+  // hyperparameters in its documented order. `steps`: each tensor's step count (already incremented
+  // for this step) as a float32 scalar tensor on its device. `scales` (float32, one
   // per parameter): the per-tensor update scales of lars and lamb (see quantized_update_norm_).
   // `lr` (a one-element float32 or float64 tensor on the parameters' device): the learning rate,
   // read by the kernel in place of hyper[0] (every algorithm's first hyperparameter), so that a
@@ -86,8 +79,8 @@ TORCH_LIBRARY(pagedopt, m) {
 // tensor list into IValues and walks each element (about 0.1 us a tensor: with 2000 parameters and
 // their four states a step's lists hold 10000 tensors, about 1-2 ms of host time).
 TORCH_LIBRARY_IMPL(pagedopt, Autograd, m) {
-  for (const char* op : {"quantized_step_", "quantized_step_list_", "quantized_update_norm_", "adam8bit_step_",
-                         "check_grads", "copy_bytes_"}) {
+  for (const char* op : {"quantized_step_", "quantized_step_list_", "quantized_update_norm_", "check_grads",
+                         "copy_bytes_"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

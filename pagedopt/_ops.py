@@ -1,10 +1,12 @@
-"""Typed Python wrappers over torch.ops.pagedopt.*, and a fake (meta) implementation of each
-op so that torch.compile and torch.library.opcheck can trace them."""
+"""Typed Python wrappers over torch.ops.pagedopt.*, and a fake (meta) implementation of every
+op so that torch.compile, torch.export and torch.library.opcheck can trace them
+(tests/test_op_fakes.py fails for an op of csrc/pagedopt.cpp without one)."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, unset_fake_temporarily
 
 from . import _C  # noqa: F401  (loads the library, which registers the ops)
 
@@ -13,7 +15,7 @@ ops = torch.ops.pagedopt
 
 def has_cuda_kernels() -> bool:
     """True when this build of pagedopt carries the CUDA kernels."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key("pagedopt::adam8bit_step_", "CUDA")
+    return torch._C._dispatch_has_kernel_for_dispatch_key("pagedopt::quantized_step_", "CUDA")
 
 
 def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, blocksize: int = 256):
@@ -33,15 +35,6 @@ def check_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -
     """Index of the first gradient that does not match its parameter, else GRADS_CONTIGUOUS or
     GRADS_NOT_CONTIGUOUS."""
     return ops.check_grads(list(params), list(grads))
-
-
-def adam8bit_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], state1, state2, absmax1,
-                   absmax2, steps, code1: torch.Tensor, code2: torch.Tensor, *, lr: float, beta1: float,
-                   beta2: float, eps: float, weight_decay: float, decoupled: bool,
-                   grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> None:
-    ops.adam8bit_step_(list(params), list(grads), list(state1), list(state2), list(absmax1), list(absmax2),
-                       list(steps), code1, code2, float(lr), float(beta1), float(beta2), float(eps),
-                       float(weight_decay), bool(decoupled), grad_scale, found_inf)
 
 
 def quantized_step_(algorithm: str, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -100,12 +93,6 @@ def _dequantize_blockwise_fake(codes, absmax, code, blocksize, dtype):
     return torch.empty_like(codes, dtype=dtype)
 
 
-@torch.library.register_fake("pagedopt::adam8bit_step_")
-def _adam8bit_step_fake(params, grads, state1, state2, absmax1, absmax2, steps, code1, code2, lr, beta1, beta2,
-                        eps, weight_decay, decoupled, grad_scale, found_inf):
-    return None
-
-
 @torch.library.register_fake("pagedopt::check_grads")
 def _check_grads_fake(params, grads):
     # check_grads reads metadata only, so its fake gives the real answer (csrc/check_grads.cpp).
@@ -147,6 +134,32 @@ def _pinned_empty_fake(size, dtype):
 @torch.library.register_fake("pagedopt::advise_preferred_location_")
 def _advise_fake(t, to):
     return None
+
+
+@torch.library.register_fake("pagedopt::concurrent_managed_access")
+def _concurrent_managed_access_fake(device_index):
+    # A property of the device, not of any tensor: the fake gives the real answer (the op run
+    # outside the fake mode), the one eager code sees.
+    with unset_fake_temporarily():
+        return ops.concurrent_managed_access.default(device_index)
+
+
+# is_managed and residency answer where a tensor's bytes live, which is not in its metadata (a fake
+# tensor has no bytes): tracing cannot know the answer of a CUDA tensor, so their fakes raise
+# DataDependentOutputException, as torch's own ops with data-dependent non-tensor outputs do;
+# torch.compile then breaks the graph there and runs the op eagerly.
+@torch.library.register_fake("pagedopt::is_managed")
+def _is_managed_fake(t):
+    if t.device.type != "cuda":
+        return False  # as the CPU kernel: only CUDA tensors can be managed memory
+    raise DataDependentOutputException(ops.is_managed.default)
+
+
+@torch.library.register_fake("pagedopt::residency")
+def _residency_fake(t):
+    torch._check(t.device.type == "cuda",
+                 lambda: f"residency: t must be a CUDA tensor in managed memory, got a tensor on {t.device}")
+    raise DataDependentOutputException(ops.residency.default)
 
 
 @torch.library.register_fake("pagedopt::quantized_step_")

@@ -55,7 +55,7 @@ DEFAULT_CATALOG = ROOT / "tests" / "mutants.toml"
 # in name order. The mutation smoke test never runs inside a mutation run.
 FILE_ORDER = [
     "tests/test_quant.py",
-    "tests/test_adam8bit_kernel.py",
+    "tests/test_adam_engine.py",
     "tests/test_cuda_quantize.py",
     "tests/test_optim_vs_torch.py",
     "tests/test_optim_api.py",

@@ -19,7 +19,7 @@ def _fma(a, b, c) -> torch.Tensor:
 
 def adam8bit_step_reference(p, g, q1, q2, a1, a2, step, code1, code2, lr, beta1, beta2, eps, wd, decoupled,
                             grad_scale=None):
-    """One fused 8-bit Adam step in float32 torch ops, in the order of pagedopt/adam.h (fused
+    """One fused 8-bit Adam step in float32 torch ops, in the order of pagedopt/adam_update.h (fused
     multiply-adds emulated in float64, IEEE sqrt and division as on the CPU): dequantize, update,
     requantize. Returns (p_new (p.dtype), q1, q2, a1, a2, m_unquantized, v_unquantized)."""
     pf = p.float().reshape(-1).clone()
@@ -41,7 +41,7 @@ def adam8bit_step_reference(p, g, q1, q2, a1, a2, step, code1, code2, lr, beta1,
     denom = _fma(v.double().sqrt().float(), inv_bc2, _f32(eps))
     pf = _fma(-step_size, (m.double() / denom.double()).float(), pf)
     # an element whose v is not finite (NaN or infinite gradient, or a finite one whose square
-    # overflows) counts for neither block absmax; its moments are stored saturated (adam.h)
+    # overflows) counts for neither block absmax; its moments are stored saturated (algorithms/adam.h)
     ok = torch.isfinite(v)
     pad = (-m.numel()) % STATE_BLOCK_SIZE
     term1 = torch.cat([torch.where(ok, m.abs(), 0.0), m.new_zeros(pad)]).view(-1, STATE_BLOCK_SIZE)

@@ -4,13 +4,13 @@ changed and param groups added, in any order, and after every rule it equals a p
 reference of the same algorithm that keeps its own state per parameter across all rules.
 
 The reference never calls pagedopt's ops: 8-bit states follow tests/reference.py's
-adam8bit_step_reference (pagedopt/adam.h's operation order in torch ops), 32-bit states a
+adam8bit_step_reference (pagedopt/adam_update.h's operation order in torch ops), 32-bit states a
 float32 torch-ops Adam/AdamW (decoupled decay for the AdamW classes, L2 for the Adam ones).
 
 Tolerances (after a step; every other rule changes no number, so the optimizer must then equal
 the reference exactly):
 
-* 8-bit, from tests/test_adam8bit_kernel.py (the CPU op against the same reference, one step from
+* 8-bit, from tests/test_adam_engine.py (the CPU op against the same reference, one step from
   the same state): absmax within rtol 1e-6; parameters within one ulp of their dtype; all codes but
   max(2, n // 500) equal, the others ties within fp32 rounding, i.e. neighbouring codes.
 * 32-bit (torch's fused kernel against the float32 torch ops here): the same formula in a

@@ -1,4 +1,4 @@
-"""The host/device-portable half of csrc/cuda/multi_tensor.cuh, compiled with the host compiler:
+"""The host/device-portable half of csrc/cuda/code_table.cuh, compiled with the host compiler:
 no GPU needed, so this runs in CI too."""
 import os
 
@@ -8,7 +8,7 @@ from pagedopt import quant
 
 
 # ---------------------------------------------------------------------------------------------
-# The host/device-portable half of csrc/cuda/multi_tensor.cuh, compiled for the host: the table
+# The host/device-portable half of csrc/cuda/code_table.cuh, compiled for the host: the table
 # search against nearest_code (every 4099th float bit pattern, all of them with
 # PAGEDOPT_BIG_TESTS=1, plus values around every threshold and bucket edge, also for random sorted
 # codebooks, with duplicates, that fit the table), that both dynamic codebooks fit it, that
@@ -17,8 +17,8 @@ from pagedopt import quant
 # machine's glibc pow.
 # ---------------------------------------------------------------------------------------------
 _HOST_CHECK = r"""
-#include "multi_tensor.cuh"
-#include "pagedopt/adam.h"
+#include "code_table.cuh"
+#include "pagedopt/adam_update.h"
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>

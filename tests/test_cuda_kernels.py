@@ -1,7 +1,8 @@
-"""The CUDA 8-bit step kernels against the CPU kernels (quantize and dequantize:
+"""The CUDA 8-bit step kernel against the CPU kernel, for Adam (quantized_step_ with the Adam
+functor; the other algorithms: tests/test_family_8bit.py; quantize and dequantize:
 tests/test_cuda_quantize.py).
 
-The 8-bit Adam step shares its element math (pagedopt/adam.h). The moments use only correctly
+The 8-bit Adam step shares its element math (pagedopt/adam_update.h). The moments use only correctly
 rounded operations (fmaf, *), so from identical inputs one step gives bit-identical codes and
 absmax on both backends. The parameter goes through the GPU's approximate sqrt and division
 (within 2 ulp each, subnormals flushed), so it may differ from the CPU's by
@@ -10,7 +11,7 @@ where the update is lr / (1 - beta1^t) * m / denom, of relative error below 2^-2
 With decoupled decay (or none) the moments do not depend on the parameter, so codes and absmax
 stay bit-identical over any number of steps; with L2 decay the parameter feeds the next gradient,
 so the multi-step tests restart both backends from the CPU's state after every comparison.
-The one further caveat, documented in csrc/cuda/multi_tensor.cuh (pow_step): the bias
+The one further caveat, documented in csrc/include/pagedopt/step_power.h (pow_step): the bias
 corrections use beta^t in double; glibc's pow is misrounded in about 1 of 2500 calls and the GPU's
 value is the correctly rounded one, which changes a float constant only if the double lies within a
 few double ulps of a float rounding boundary (< 1e-8 per tensor and step).
@@ -24,8 +25,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedopt import _ops, quant
+from pagedopt import quant
 
+from adam_call import adam8bit_step
 from bitwise_compare import assert_bitwise, rand_nonzero
 from device_params import needs_cuda
 
@@ -69,7 +71,7 @@ def clone_to(tensors, device):
 
 def step(tensors, steps, code1, code2, h, grads=None, grad_scale=None, found_inf=None):
     dev = tensors[0]["p"].device if tensors else code1.device
-    _ops.adam8bit_step_(
+    adam8bit_step(
         [t["p"] for t in tensors], grads if grads is not None else [t["g"] for t in tensors],
         [t["q1"] for t in tensors], [t["q2"] for t in tensors], [t["a1"] for t in tensors],
         [t["a2"] for t in tensors], [torch.tensor(float(s), device=dev) for s in steps], code1, code2,
@@ -135,12 +137,12 @@ hyper = st.fixed_dictionaries(dict(
 
 
 # ---------------------------------------------------------------------------------------------
-# (b) adam8bit_step_ over several steps
+# (b) Adam's 8-bit step over several steps
 # ---------------------------------------------------------------------------------------------
 @given(seed=st.integers(0, 2**31 - 1), sizes=st.lists(st.integers(1, 1500), min_size=1, max_size=5),
        dtype=st.sampled_from(DTYPES), h=hyper, first_step=st.integers(1, 3000),
        n_steps=st.integers(1, 3), sorted_codes=st.booleans())
-def test_adam8bit_step_matches_cpu(seed, sizes, dtype, h, first_step, n_steps, sorted_codes):
+def test_adam_step_matches_cpu(seed, sizes, dtype, h, first_step, n_steps, sorted_codes):
     gen = torch.Generator().manual_seed(seed)
     cpu = [make_state(n, dtype, gen) for n in sizes]
     gpu = clone_to(cpu, CUDA)
@@ -154,7 +156,7 @@ def test_adam8bit_step_matches_cpu(seed, sizes, dtype, h, first_step, n_steps, s
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("decoupled,wd", [(True, 0.1), (False, 0.01), (True, 0.0)])
-def test_adam8bit_step_large_tensors(dtype, decoupled, wd):
+def test_adam_step_large_tensors(dtype, decoupled, wd):
     """A few large tensors (full vectorized blocks, many warps, tensors spanning warps)."""
     gen = torch.Generator().manual_seed(7)
     sizes = [1 << 20, 3 * 256 * 1000 + 17, 65536]
@@ -167,7 +169,7 @@ def test_adam8bit_step_large_tensors(dtype, decoupled, wd):
         assert_step_matches(gpu, cpu, before, h, f"after step {k + 1}: ")
 
 
-def test_adam8bit_zero_grads_and_zero_state():
+def test_adam_zero_grads_and_zero_state():
     """All-zero blocks (absmax 0), zero moments next to nonzero ones, as in unused embedding rows."""
     gen = torch.Generator().manual_seed(3)
     n = 256 * 40 + 100
@@ -342,9 +344,17 @@ def _bad_case(kind):
     return gpu, grads
 
 
-@pytest.mark.parametrize("kind", ["dtype", "state_size", "absmax_size", "device", "state_dtype", "param_dtype",
-                                  "scale_device", "list_length"])
-def test_bad_inputs_raise_and_change_nothing(kind):
+@pytest.mark.parametrize("kind, message", [
+    ("dtype", r"grads\[2\] has dtype BFloat16 but params\[2\] has dtype Float"),
+    ("state_size", r"state1\[2\] has 514 elements, expected 1 x 513"),
+    ("absmax_size", r"absmax2\[2\] must have 3 elements"),
+    ("device", r"grads\[2\] must be contiguous and on cuda"),
+    ("state_dtype", r"state2\[2\] must be Byte"),
+    ("param_dtype", r"params\[2\] has unsupported dtype Double"),
+    ("scale_device", r"grad_scale is on cpu, params on cuda"),
+    ("list_length", r"expected 3 grads, 3 steps .* got grads=2 steps=3"),
+])
+def test_bad_inputs_raise_and_change_nothing(kind, message):
     gpu, grads = _bad_case(kind)
     before = clone_to(gpu, CUDA)
     code1, code2 = codebooks(CUDA)
@@ -352,12 +362,11 @@ def test_bad_inputs_raise_and_change_nothing(kind):
     kwargs = {}
     if kind == "scale_device":
         kwargs["grad_scale"] = torch.tensor(2.0)  # on the CPU
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=message):
         if kind == "list_length":
-            _ops.adam8bit_step_([t["p"] for t in gpu], grads[:-1], [t["q1"] for t in gpu], [t["q2"] for t in gpu],
-                                [t["a1"] for t in gpu], [t["a2"] for t in gpu],
-                                [torch.tensor(1.0, device=CUDA)] * 3, code1, code2, lr=1e-2, beta1=0.9, beta2=0.999,
-                                eps=1e-8, weight_decay=0.0, decoupled=True)
+            adam8bit_step([t["p"] for t in gpu], grads[:-1], [t["q1"] for t in gpu], [t["q2"] for t in gpu],
+                          [t["a1"] for t in gpu], [t["a2"] for t in gpu], [torch.tensor(1.0, device=CUDA)] * 3,
+                          code1, code2, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
         else:
             step(gpu, [1, 1, 1], code1, code2, h, grads=grads, **kwargs)
     torch.cuda.synchronize()

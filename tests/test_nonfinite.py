@@ -1,6 +1,6 @@
 """Non-finite and huge gradients: one bad element must not poison its 256-element block.
 
-The policy (README, "Non-finite gradients"; csrc/include/pagedopt/codebook.h and adam.h), the same
+The policy (README, "Non-finite gradients"; csrc/include/pagedopt/codebook.h and algorithms/adam.h), the same
 on the CPU and the GPU:
 
 * quantize_blockwise: a block's absmax is the max |x| over its finite values (NaN and +-inf left
@@ -8,7 +8,7 @@ on the CPU and the GPU:
   smallest (-0.993, the signed map's code nearest -1.0; 0.0 in the unsigned map), NaN as the code
   of 0.0. A block with no finite value of at least the smallest normal float quantizes to the
   code of 0.0 throughout.
-* The fused 8-bit Adam step: an element whose new v is not finite (a NaN or +-inf gradient, or a
+* The fused 8-bit Adam step (quantized_step_ with the Adam functor): an element whose new v is not finite (a NaN or +-inf gradient, or a
   finite one above ~5.8e20 whose square overflows float32) counts for neither block absmax, and
   its moments are stored saturated. Its parameter takes this step's update from the unquantized
   fp32 moments, as torch.optim does in float32: NaN for a NaN or +-inf gradient, and no Adam
@@ -31,6 +31,7 @@ from pagedopt import _ops
 from pagedopt.quant import (STATE_BLOCK_SIZE, dequantize_blockwise_reference, dynamic_codebook,
                             quantize_blockwise_reference)
 
+from adam_call import adam8bit_step
 from reference import adam8bit_step_reference, quantization_error_bound
 
 N = 3 * STATE_BLOCK_SIZE + 17  # three full blocks and a tail
@@ -124,7 +125,7 @@ def test_bad_gradient_element_does_not_poison_its_block(seed, bad, pos, bad_step
         if t == bad_step:
             # (c) the poisoned block's new absmax is that of its other elements: the bad element is
             # left out of both (its m of 1e29 for a gradient of 1e30 too); rtol as the reference
-            # comparison of tests/test_adam8bit_kernel.py (m_pre is recomputed in float64 here)
+            # comparison of tests/test_adam_engine.py (m_pre is recomputed in float64 here)
             for key, x in (("absmax1", m_pre), ("absmax2", v_pre)):
                 want = blockwise_max(x, others)[block].float()
                 torch.testing.assert_close(s[key][block], want, rtol=1e-6, atol=0)
@@ -186,9 +187,9 @@ def test_fused_step_with_bad_gradients_matches_reference(seed, n, dtype, h, kind
     t = populated_state(n, dtype, gen)
     t["g"] = insert_bad(t["g"], kinds, positions)
     b = {k: v.clone() for k, v in t.items()}
-    _ops.adam8bit_step_([t["p"]], [t["g"]], [t["q1"]], [t["q2"]], [t["a1"]], [t["a2"]],
-                        [torch.tensor(float(h["step"]))], code1, code2, lr=h["lr"], beta1=h["beta1"],
-                        beta2=h["beta2"], eps=h["eps"], weight_decay=h["wd"], decoupled=h["decoupled"])
+    adam8bit_step([t["p"]], [t["g"]], [t["q1"]], [t["q2"]], [t["a1"]], [t["a2"]], [torch.tensor(float(h["step"]))],
+                  code1, code2, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"], weight_decay=h["wd"],
+                  decoupled=h["decoupled"])
     p, q1, q2, a1, a2, m, v = adam8bit_step_reference(b["p"], b["g"], b["q1"], b["q2"], b["a1"], b["a2"], h["step"],
                                                       code1, code2, h["lr"], h["beta1"], h["beta2"], h["eps"],
                                                       h["wd"], h["decoupled"])
@@ -196,7 +197,7 @@ def test_fused_step_with_bad_gradients_matches_reference(seed, n, dtype, h, kind
     bad[positions] = True
     # the bad elements' v is not finite, the others' is (so "others" is exactly the counted set)
     assert not torch.isfinite(v[bad]).any() and torch.isfinite(v[~bad]).all()
-    # absmax: that of the other elements only (the reference's, with the rtol of test_adam8bit_kernel.py)
+    # absmax: that of the other elements only (the reference's, with the rtol of test_adam_engine.py)
     assert torch.isfinite(t["a1"]).all() and torch.isfinite(t["a2"]).all()
     torch.testing.assert_close(t["a1"], blockwise_max(m, ~bad).float(), rtol=1e-6, atol=0)
     torch.testing.assert_close(t["a2"], blockwise_max(v, ~bad).float(), rtol=1e-6, atol=0)
@@ -208,14 +209,14 @@ def test_fused_step_with_bad_gradients_matches_reference(seed, n, dtype, h, kind
         for k, i in zip(kinds, positions):
             assert (t["q1"][i].item(), t["q2"][i].item()) == SATURATED[k], (k, i)
     # the others' codes: nearest codes of their moments (all but a handful of fp32 ties exactly the
-    # reference's, as in test_adam8bit_kernel.py)
+    # reference's, as in test_adam_engine.py)
     m_q = dequantize_blockwise_reference(t["q1"], t["a1"], code1)
     v_q = dequantize_blockwise_reference(t["q2"], t["a2"], code2)
     assert ((m_q - m).abs() <= quantization_error_bound(m, t["a1"], code1) * (1 + 1e-5))[~bad].all()
     assert ((v_q - v).abs() <= quantization_error_bound(v, t["a2"], code2) * (1 + 1e-5))[~bad].all()
     assert (t["q1"] != q1).sum() <= max(2, n // 500) and (t["q2"] != q2).sum() <= max(2, n // 500)
     # params: NaN exactly where the reference's is (the NaN and +-inf gradients), finite elsewhere,
-    # within one ulp of the param dtype of the reference (as test_adam8bit_kernel.py)
+    # within one ulp of the param dtype of the reference (as test_adam_engine.py)
     assert torch.equal(torch.isnan(t["p"]), torch.isnan(p))
     assert torch.isfinite(t["p"][~bad]).all()
     fin = ~torch.isnan(p)

@@ -12,7 +12,6 @@
 #include <string>
 #include <vector>
 
-#include "cpu_kernels.h"
 #include "pagedopt/algorithms.h"
 #include "pagedopt/checks.h"
 #include "pagedopt/codebook.h"
@@ -124,8 +123,8 @@ MomentPointers<Algo::kMoments> moment_pointers(at::TensorList states, at::Tensor
   return mp;
 }
 
-}  // namespace
-
+// The step for the algorithm `name` of pagedopt/algorithms.h, on arguments that passed
+// check_quantized_step (`eight_bit` as it returned it).
 void quantized_step_cpu_unchecked(const std::string& name, at::TensorList params, at::TensorList grads,
                                   at::TensorList states, at::TensorList absmax, at::TensorList steps,
                                   at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
@@ -161,9 +160,6 @@ void quantized_step_cpu_unchecked(const std::string& name, at::TensorList params
     }
   });
 }
-
-
-namespace {
 
 // hyper with hyper[0] (every algorithm's lr) read from the `lr` tensor, when there is one.
 std::vector<double> hyper_with_lr(c10::ArrayRef<double> hyper, const std::optional<at::Tensor>& lr) {

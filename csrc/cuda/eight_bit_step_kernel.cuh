@@ -3,6 +3,9 @@
 // algorithm (pagedopt/algorithms.h: its update(), its moments and state keys) and the parameter
 // dtype, with the metadata the engine's kernels share.
 //
+// The block loop is warp_block.cuh's (one warp per 256-element block, its two lane layouts, the
+// block's absmax and codes); what is this kernel's own is below.
+//
 // One block of 1024 (or 768) threads per SM. Warp w of the grid owns the contiguous run of global 256-element
 // blocks [w * chunk, (w + 1) * chunk) over the concatenated tensors: it finds its first tensor by
 // a warp-wide search of the block-count prefix sums, then walks on, asking L2 for its next block's
@@ -18,10 +21,12 @@
 // (counts_for_absmax, as on the CPU).
 #include <cstdint>
 
-#include "multi_tensor.cuh"
+#include "code_table.cuh"
+#include "element_io.cuh"
 #include "pagedopt/algorithms.h"
 #include "pagedopt/codebook.h"
 #include "pagedopt/optimizer_hyper.h"
+#include "warp_block.cuh"
 
 namespace pagedopt {
 namespace cuda_detail {
@@ -63,8 +68,6 @@ template <typename Algo>
 constexpr int engine_threads() {
   return Algo::kMoments > 2 ? 768 : 1024;
 }
-constexpr int kBlock = static_cast<int>(kStateBlockSize);
-static_assert(kBlock == 8 * kWarp, "one warp per 256-element block, 8 elements per lane");
 
 // Shared memory: [K replicated codebooks: rep[q * 32 + lane] == code[q]][K codebooks + tables].
 constexpr size_t kRepBytes = size_t{kCodebookSize} * kWarp * sizeof(float);
@@ -140,7 +143,7 @@ __device__ __forceinline__ float element_update(float p, float g, float (&s)[Alg
   return Algo::update(p, g, s, c);
 }
 
-// A full, aligned block: lane owns elements [8 lane, 8 lane + 8).
+// A full, aligned block: the vector layout, lane owns elements [8 lane, 8 lane + 8).
 template <typename Algo, typename T, bool kFast>
 __device__ __forceinline__ void full_block(const TensorMeta& m, const typename Algo::Constants& c, int64_t lb,
                                            int lane, const SmemView<Algo::kKeys>& sm, float inv_scale) {
@@ -175,12 +178,13 @@ __device__ __forceinline__ void full_block(const TensorMeta& m, const typename A
   Elem<T>::store8(p, pv);
 #pragma unroll
   for (int j = 0; j < M; ++j) {
+    // block_scale's two steps apart: the reciprocal taken where the codes are (taken before the
+    // gather of col, it moves code enough for LAMB's half-precision kernels to spill)
     mx[j] = warp_max_nonneg(mx[j]);  // every lane has read old_absmax before this
     float col[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) col[k] = s[k][j];
-    __stcs(reinterpret_cast<uint2*>(moment_codes<Algo>(m, j) + i0),
-           sm.code[Algo::key_of(j)].template nearest8<kFast>(col, absmax_reciprocal(mx[j])));
+    store_codes8<kFast>(moment_codes<Algo>(m, j) + i0, sm.code[Algo::key_of(j)], col, absmax_reciprocal(mx[j]));
   }
   if (lane == 0) {
 #pragma unroll
@@ -188,7 +192,8 @@ __device__ __forceinline__ void full_block(const TensorMeta& m, const typename A
   }
 }
 
-// A tail block, or any block of a tensor not aligned for vector access (two passes, see the top).
+// A tail block, or any block of a tensor not aligned for vector access: the strided layout, in two
+// passes (see the top).
 template <typename Algo, typename T, bool kFast>
 __device__ __forceinline__ void partial_block(const TensorMeta& m, const typename Algo::Constants& c, int64_t lb,
                                               int lane, const SmemView<Algo::kKeys>& sm, float inv_scale) {
@@ -203,43 +208,34 @@ __device__ __forceinline__ void partial_block(const TensorMeta& m, const typenam
     old_absmax[j] = moment_absmax<Algo>(m, j)[lb];
     mx[j] = 0.0f;
   }
-#pragma unroll 1
-  for (int k = 0; k < 8; ++k) {
-    const int64_t i = lo + k * kWarp + lane;
-    if (i < m.numel) {
-      uint32_t q[M];
+  for_each_strided_element<1>(lo, m.numel, lane, [&](int, int64_t i) {
+    uint32_t q[M];
 #pragma unroll
-      for (int j = 0; j < M; ++j) q[j] = moment_codes<Algo>(m, j)[i];
-      float s[M];
-      element_update<Algo>(Elem<T>::load(p + i), Elem<T>::load(g + i) * inv_scale, s, q, old_absmax, sm, c);
-      const bool counts = element_counts_for_absmax<Algo>(s);
+    for (int j = 0; j < M; ++j) q[j] = moment_codes<Algo>(m, j)[i];
+    float s[M];
+    element_update<Algo>(Elem<T>::load(p + i), Elem<T>::load(g + i) * inv_scale, s, q, old_absmax, sm, c);
+    const bool counts = element_counts_for_absmax<Algo>(s);
 #pragma unroll
-      for (int j = 0; j < M; ++j) mx[j] = fmaxf(mx[j], counts ? fabsf(s[j]) : 0.0f);
-    }
-  }
+    for (int j = 0; j < M; ++j) mx[j] = fmaxf(mx[j], counts ? fabsf(s[j]) : 0.0f);
+  });
   float inv[M];
 #pragma unroll
   for (int j = 0; j < M; ++j) {
-    mx[j] = warp_max_nonneg(mx[j]);
-    inv[j] = absmax_reciprocal(mx[j]);
+    const BlockScale scale = block_scale(mx[j]);
+    mx[j] = scale.absmax;
+    inv[j] = scale.inv;
   }
-#pragma unroll 1
-  for (int k = 0; k < 8; ++k) {
-    const int64_t i = lo + k * kWarp + lane;
-    if (i < m.numel) {
-      uint32_t q[M];
+  for_each_strided_element<1>(lo, m.numel, lane, [&](int, int64_t i) {
+    uint32_t q[M];
 #pragma unroll
-      for (int j = 0; j < M; ++j) q[j] = moment_codes<Algo>(m, j)[i];
-      float s[M];
-      const float pn =
-          element_update<Algo>(Elem<T>::load(p + i), Elem<T>::load(g + i) * inv_scale, s, q, old_absmax, sm, c);
-      Elem<T>::store(p + i, pn);  // element i is read and written by this lane only
+    for (int j = 0; j < M; ++j) q[j] = moment_codes<Algo>(m, j)[i];
+    float s[M];
+    const float pn =
+        element_update<Algo>(Elem<T>::load(p + i), Elem<T>::load(g + i) * inv_scale, s, q, old_absmax, sm, c);
+    Elem<T>::store(p + i, pn);  // element i is read and written by this lane only
 #pragma unroll
-      for (int j = 0; j < M; ++j) {
-        moment_codes<Algo>(m, j)[i] = static_cast<uint8_t>(sm.code[Algo::key_of(j)].template nearest<kFast>(s[j] * inv[j]));
-      }
-    }
-  }
+    for (int j = 0; j < M; ++j) moment_codes<Algo>(m, j)[i] = code_of<kFast>(sm.code[Algo::key_of(j)], s[j], inv[j]);
+  });
   __syncwarp();
   if (lane == 0) {  // every lane has read old_absmax (first lines) before the reductions above
 #pragma unroll

@@ -4,7 +4,6 @@
 #include <torch/library.h>
 
 #include "launch.h"
-#include "pagedopt/adam8bit_op.h"
 #include "pagedopt/algorithms.h"
 #include "pagedopt/quantized_state_list.h"
 #include "pagedopt/checks.h"
@@ -22,22 +21,6 @@ at::Tensor dequantize_blockwise_cuda(const at::Tensor& codes, const at::Tensor& 
                                      int64_t blocksize, at::ScalarType dtype) {
   check_dequantize_args(codes, absmax, code, blocksize, dtype);
   return dequantize_blockwise_cuda_unchecked(codes, absmax, code, blocksize, dtype);
-}
-
-void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList state1, at::TensorList state2,
-                        at::TensorList absmax1, at::TensorList absmax2, at::TensorList steps,
-                        const at::Tensor& code1, const at::Tensor& code2, double lr, double beta1, double beta2,
-                        double eps, double weight_decay, bool decoupled, const std::optional<at::Tensor>& grad_scale,
-                        const std::optional<at::Tensor>& found_inf) {
-  check_adam8bit_args(params, grads, state1, state2, absmax1, absmax2, steps, code1, code2, grad_scale,
-                      found_inf);
-  if (!params.empty()) {
-    TORCH_CHECK(params[0].is_cuda(), "adam8bit_step_: the CUDA kernel got tensors on ", params[0].device());
-  }
-  const auto call = adam8bit_engine_call(state1, state2, absmax1, absmax2, lr, beta1, beta2, eps, weight_decay,
-                                         decoupled);
-  quantized_step_cuda_unchecked("adam", params, grads, call.states, call.absmax, steps, {code1, code2}, call.hyper,
-                                /*eight_bit=*/true, grad_scale, found_inf);
 }
 
 void quantized_step_cuda(c10::string_view algorithm, at::TensorList params, at::TensorList grads,
@@ -80,7 +63,6 @@ TORCH_LIBRARY_IMPL(pagedopt, CUDA, m) {
   m.impl("quantized_update_norm_", &quantized_update_norm_cuda);
   m.impl("quantize_blockwise", &quantize_blockwise_cuda);
   m.impl("dequantize_blockwise", &dequantize_blockwise_cuda);
-  m.impl("adam8bit_step_", &adam8bit_step_cuda);
 }
 
 }  // namespace pagedopt

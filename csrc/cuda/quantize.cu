@@ -1,6 +1,6 @@
 // CUDA blockwise quantize / dequantize. Same results as csrc/cpu/quantize.cpp, bit for bit:
 // the same absmax (an exact max of the finite |x|), x * absmax_reciprocal(absmax), and nearest_code (or the exact
-// table search of multi_tensor.cuh, which returns the same code for every float).
+// table search of code_table.cuh, which returns the same code for every float).
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -10,9 +10,11 @@
 
 #include <algorithm>
 
-#include "multi_tensor.cuh"
+#include "code_table.cuh"
+#include "element_io.cuh"
 #include "launch.h"
 #include "pagedopt/codebook.h"
+#include "warp_block.cuh"
 
 namespace pagedopt {
 namespace {
@@ -29,15 +31,15 @@ __global__ void __launch_bounds__(kTableThreads) build_table_kernel(const float*
   build_code_table_block(code, table, blockIdx.x);
 }
 
-// One warp per quantization block of 256: 8 consecutive elements per lane (one 16- or 32-byte
-// load), codes stored as one 8-byte word per lane. Tail blocks and unaligned inputs take a
-// strided scalar path (element lo + k * 32 + lane).
+// One warp per quantization block of 256 (warp_block.cuh): the vector layout for a full block of
+// an aligned input (8 consecutive elements per lane, one 16- or 32-byte load, the codes as one
+// 8-byte word per lane), the strided one for a tail block or an unaligned input.
 template <typename T, bool kFast>
 __device__ __forceinline__ void quantize_block256(const T* __restrict__ x, int64_t n, int64_t b, bool vec_ok,
                                                   const SmemCode& sc, uint8_t* __restrict__ codes,
                                                   float* __restrict__ absmax, int lane) {
-  const int64_t lo = b * 256;
-  const bool full = vec_ok && lo + 256 <= n;
+  const int64_t lo = b * kBlock;
+  const bool full = vec_ok && lo + kBlock <= n;
   float v[8];
   if (full) {
     Elem<T>::load8(x + lo + lane * 8, v);
@@ -51,18 +53,15 @@ __device__ __forceinline__ void quantize_block256(const T* __restrict__ x, int64
   float mx = 0.0f;
 #pragma unroll
   for (int k = 0; k < 8; ++k) mx = fmaxf(mx, finite_abs(v[k]));  // NaN, +-inf do not count (as on the CPU)
-  mx = warp_max_nonneg(mx);
-  const float inv = absmax_reciprocal(mx);
+  const BlockScale scale = block_scale(mx);
   if (full) {
-    __stcs(reinterpret_cast<uint2*>(codes + lo + lane * 8), sc.template nearest8<kFast>(v, inv));
+    store_codes8<kFast>(codes + lo + lane * 8, sc, v, scale.inv);
   } else {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int64_t i = lo + k * kWarp + lane;
-      if (i < n) codes[i] = static_cast<uint8_t>(sc.template nearest<kFast>(v[k] * inv));
-    }
+    for_each_strided_element<kLaneElems>(lo, n, lane, [&](int k, int64_t i) {
+      codes[i] = code_of<kFast>(sc, v[k], scale.inv);
+    });
   }
-  if (lane == 0) absmax[b] = mx;
+  if (lane == 0) absmax[b] = scale.absmax;
 }
 
 // Any blocksize (a multiple of 32 up to 4096): one warp per block, two strided passes.
@@ -75,12 +74,9 @@ __device__ __forceinline__ void quantize_block_generic(const T* __restrict__ x, 
   const int64_t len = std::min(blocksize, n - lo);
   float mx = 0.0f;
   for (int64_t i = lane; i < len; i += kWarp) mx = fmaxf(mx, finite_abs(Elem<T>::load(x + lo + i)));
-  mx = warp_max_nonneg(mx);
-  const float inv = absmax_reciprocal(mx);
-  for (int64_t i = lane; i < len; i += kWarp) {
-    codes[lo + i] = static_cast<uint8_t>(sc.nearest<kFast>(Elem<T>::load(x + lo + i) * inv));
-  }
-  if (lane == 0) absmax[b] = mx;
+  const BlockScale scale = block_scale(mx);
+  for (int64_t i = lane; i < len; i += kWarp) codes[lo + i] = code_of<kFast>(sc, Elem<T>::load(x + lo + i), scale.inv);
+  if (lane == 0) absmax[b] = scale.absmax;
 }
 
 template <typename T, bool kBlock256, bool kFast>
@@ -88,19 +84,17 @@ __device__ __forceinline__ void quantize_loop(const T* __restrict__ x, int64_t n
                                               int64_t nblocks, bool vec_ok, const SmemCode& sc,
                                               uint8_t* __restrict__ codes, float* __restrict__ absmax) {
   const int lane = threadIdx.x % kWarp;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp; b < nblocks;
-       b += warps) {
+  for_each_warp_block<kWarpsPerBlock>(nblocks, [&](int64_t b, int64_t warps) {
     if (kBlock256 && vec_ok && b + warps < nblocks && lane < static_cast<int>(2 * sizeof(T))) {
       // the warp's next block into L2 (256 * sizeof(T) bytes: 2 * sizeof(T) lines of 128 bytes)
-      prefetch_l2(reinterpret_cast<const char*>(x + (b + warps) * 256) + lane * 128);
+      prefetch_l2(reinterpret_cast<const char*>(x + (b + warps) * kBlock) + lane * 128);
     }
     if (kBlock256) {
       quantize_block256<T, kFast>(x, n, b, vec_ok, sc, codes, absmax, lane);
     } else {
       quantize_block_generic<T, kFast>(x, n, b, blocksize, sc, codes, absmax, lane);
     }
-  }
+  });
 }
 
 template <typename T, bool kBlock256>

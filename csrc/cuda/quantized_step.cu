@@ -12,8 +12,10 @@
 // consecutive elements per lane, vector loads and stores, one warp reduction per moment's absmax,
 // the codes written once the new absmaxes are known, the warp's next block prefetched into L2.
 // Dequantization reads a 32-way replicated codebook (lane l reads copy l: no bank conflicts),
-// quantization one table entry per value (multi_tensor.cuh). The 32-bit states and the norm pass
-// use a plain kernel (element lo + k * 32 + lane of the block).
+// quantization one table entry per value (code_table.cuh). The 32-bit states and the norm pass
+// use plain kernels: a grid-stride walk over the blocks, element lo + k * 32 + lane of the block
+// (the norm pass through warp_block.cuh's block loop, which the 8-bit step kernel shares; the
+// 32-bit step keeps its loops written out, see there).
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -159,10 +161,8 @@ __global__ void __launch_bounds__(kPlainThreads) update_norm_kernel(const StepAr
   __shared__ float s_code[K][kCodebookSize];
   load_codebooks<K, kEightBit>(s_code, args);
   const int lane = threadIdx.x % kWarp;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kPlainWarps;
   const float inv_scale = args.grad_scale != nullptr ? 1.0f / *args.grad_scale : 1.0f;
-  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kPlainWarps + threadIdx.x / kWarp; b < args.total_blocks;
-       b += warps) {
+  for_each_warp_block<kPlainWarps>(args.total_blocks, [&](int64_t b, int64_t) {
     const int t = owner_of(args.starts, args.ntensors, b);
     const TensorMeta& m = args.meta[t];
     const auto& c = args.consts[t];
@@ -170,19 +170,16 @@ __global__ void __launch_bounds__(kPlainThreads) update_norm_kernel(const StepAr
     const T* p = static_cast<const T*>(m.p);
     const T* g = static_cast<const T*>(m.g);
     double sum = 0.0;
-    for (int k = 0; k < 8; ++k) {
-      const int64_t i = lb * kStateBlockSize + k * kWarp + lane;
-      if (i < m.numel) {
-        float s[M];
-        load_moments<Algo, kEightBit>(m, s_code, i, lb, s);
-        const double u = Algo::direction(Elem<T>::load(p + i), Elem<T>::load(g + i) * inv_scale, s, c);
-        sum += u * u;
-      }
-    }
+    for_each_strided_element<0>(lb * kStateBlockSize, m.numel, lane, [&](int, int64_t i) {
+      float s[M];
+      load_moments<Algo, kEightBit>(m, s_code, i, lb, s);
+      const double u = Algo::direction(Elem<T>::load(p + i), Elem<T>::load(g + i) * inv_scale, s, c);
+      sum += u * u;
+    });
 #pragma unroll
     for (int offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFullMask, sum, offset);
     if (lane == 0) atomicAdd(m.norm, sum);
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------------------------

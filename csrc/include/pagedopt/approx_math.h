@@ -1,6 +1,6 @@
 #pragma once
 // The square root and division of the optimizers' parameter updates: on the GPU its fast
-// approximate instructions, on the CPU IEEE operations (see adam.h for what that costs in
+// approximate instructions, on the CPU IEEE operations (see adam_update.h for what that costs in
 // agreement between the backends: the states stay bit for bit equal, the parameters agree to
 // within 2^-20 of the update).
 #include <cmath>

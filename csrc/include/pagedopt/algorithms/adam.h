@@ -1,10 +1,10 @@
 #pragma once
-// Adam / AdamW (pagedopt/adam.h) as an algorithm of the generic engine: two moments, m in state1
+// Adam / AdamW (pagedopt/adam_update.h) as an algorithm of the generic engine: two moments, m in state1
 // (signed codebook) and v in state2 (unsigned). Its absmax rule is the engine's: an element whose
 // new m or v is not finite counts for neither absmax (a NaN or infinite gradient, or a finite one
 // whose square overflows: v = inf, while m may be a huge finite value that would otherwise set
 // absmax1 and round the block's other moments to 0 for hundreds of steps).
-#include "pagedopt/adam.h"
+#include "pagedopt/adam_update.h"
 #include "pagedopt/common.h"
 #include "pagedopt/optimizer_hyper.h"
 

@@ -6,7 +6,7 @@
 //   p     = p * (1 - lr * weight_decay) - lr * scale * u       (adam_w_mode)
 // Without bias_correction, m_hat = m and v_hat = v. The engine computes ||u|| in a first pass
 // (quantized_update_norm_, from direction()); the optimizer passes the scale to the step.
-#include "pagedopt/adam.h"
+#include "pagedopt/adam_update.h"
 #include "pagedopt/approx_math.h"
 #include "pagedopt/common.h"
 #include "pagedopt/optimizer_hyper.h"

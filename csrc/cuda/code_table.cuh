@@ -1,28 +1,23 @@
 #pragma once
-// Helpers shared by csrc/cuda/quantize.cu and the engine's kernels (csrc/cuda/quantized_step.cu,
-// csrc/cuda/eight_bit_step_kernel.cuh).
+// The nearest-code search of the CUDA kernels (csrc/cuda/quantize.cu, the engine's step kernel
+// csrc/cuda/eight_bit_step_kernel.cuh): a fast, exact replacement for `nearest_code` of
+// pagedopt/codebook.h. One 32-bit table entry per bucket of floats gives the code with an add and a
+// byte select (see "Fast exact nearest-code search" below). It returns the same code as
+// nearest_code(code, x) for every float x (NaN, infinities, subnormals, -0 included) whenever the
+// codebook fits the table (the dynamic codebooks do); for any other codebook the kernels fall back
+// to nearest_code itself.
 //
 // The first half (up to the `__CUDACC__` section) is plain host/device C++ so that a host test
-// can compile it with g++ and check it against the reference functions of pagedopt/codebook.h
-// (tests/test_code_table_host.py, which CI runs; with PAGEDOPT_BIG_TESTS=1 it tries all 2^32
-// float bit patterns for both dynamic codebooks):
-//
-//  * A fast, exact replacement for `nearest_code`: one 32-bit table entry per bucket of floats
-//    gives the code with an add and a byte select (see "Fast exact nearest-code search" below).
-//    It returns the same code as nearest_code(code, x) for every float x (NaN, infinities,
-//    subnormals, -0 included) whenever the codebook fits the table (the dynamic codebooks do);
-//    for any other codebook the kernels fall back to nearest_code itself.
-//  * `pow_step`: beta^t for the bias corrections, correctly rounded for integer t.
-//
-// The second half holds the CUDA-only pieces: vector loads/stores, the warp absmax, L2 prefetch,
-// the shared-memory codebook view and the table-building kernel body.
+// can compile it with g++ and check it against nearest_code (tests/test_code_table_host.py, which
+// CI runs; with PAGEDOPT_BIG_TESTS=1 it tries all 2^32 float bit patterns for both dynamic
+// codebooks). The second half holds the CUDA-only pieces: the shared-memory copy of a codebook and
+// its table (SmemCode), and the table-building kernel body.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 #include "pagedopt/codebook.h"
 #include "pagedopt/common.h"
-#include "pagedopt/step_power.h"
 
 namespace pagedopt {
 namespace cuda_detail {
@@ -188,95 +183,11 @@ PAGEDOPT_HOST_DEVICE uint32_t fast_nearest_code(const uint32_t* table, float x) 
 }  // namespace pagedopt
 
 #if defined(__CUDACC__)
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
 namespace pagedopt {
 namespace cuda_detail {
 
-constexpr int kWarp = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
-
-// ---------------------------------------------------------------------------------------------
-// Element conversions. Loads are exact; stores round to nearest even (as c10's conversions do).
-// ---------------------------------------------------------------------------------------------
-template <typename T>
-struct Elem;
-
-// Vector accesses go through __ldcs / __stcs: global-space, streaming (each byte is touched once).
-template <>
-struct Elem<float> {
-  static __device__ __forceinline__ float load(const float* p) { return *p; }
-  static __device__ __forceinline__ void store(float* p, float x) { *p = x; }
-  // 8 consecutive elements, 32-byte aligned.
-  static __device__ __forceinline__ void load8(const float* p, float (&x)[8]) {
-    const float4 a = __ldcs(reinterpret_cast<const float4*>(p));
-    const float4 b = __ldcs(reinterpret_cast<const float4*>(p + 4));
-    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
-    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
-  }
-  static __device__ __forceinline__ void store8(float* p, const float (&x)[8]) {
-    __stcs(reinterpret_cast<float4*>(p), make_float4(x[0], x[1], x[2], x[3]));
-    __stcs(reinterpret_cast<float4*>(p + 4), make_float4(x[4], x[5], x[6], x[7]));
-  }
-};
-
-__device__ __forceinline__ float bf16_bits_to_float(uint32_t b) { return __uint_as_float(b << 16); }
-__device__ __forceinline__ uint32_t float_to_bf16_bits(float x) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
-}
-__device__ __forceinline__ float half_bits_to_float(uint32_t b) {
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
-}
-__device__ __forceinline__ uint32_t float_to_half_bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
-
-template <typename T, float (*ToFloat)(uint32_t), uint32_t (*FromFloat)(float)>
-struct Elem16 {
-  static __device__ __forceinline__ float load(const T* p) {
-    return ToFloat(*reinterpret_cast<const uint16_t*>(p));
-  }
-  static __device__ __forceinline__ void store(T* p, float x) {
-    *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(FromFloat(x));
-  }
-  // 8 consecutive elements, 16-byte aligned.
-  static __device__ __forceinline__ void load8(const T* p, float (&x)[8]) {
-    const uint4 r = __ldcs(reinterpret_cast<const uint4*>(p));
-    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      x[2 * k] = ToFloat(w[k] & 0xffffu);
-      x[2 * k + 1] = ToFloat(w[k] >> 16);
-    }
-  }
-  static __device__ __forceinline__ void store8(T* p, const float (&x)[8]) {
-    uint32_t w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = FromFloat(x[2 * k]) | (FromFloat(x[2 * k + 1]) << 16);
-    __stcs(reinterpret_cast<uint4*>(p), make_uint4(w[0], w[1], w[2], w[3]));
-  }
-};
-
-template <>
-struct Elem<c10::BFloat16> : Elem16<c10::BFloat16, bf16_bits_to_float, float_to_bf16_bits> {};
-template <>
-struct Elem<c10::Half> : Elem16<c10::Half, half_bits_to_float, float_to_half_bits> {};
-
-__device__ __forceinline__ uint32_t byte_of(uint2 w, int k) {
-  return __byte_perm(k < 4 ? w.x : w.y, 0u, 0x4440u | static_cast<uint32_t>(k & 3));
-}
-
 __device__ __forceinline__ uint2 pack8(const uint32_t (&c)[8]) {
   return make_uint2(c[0] | (c[1] << 8) | (c[2] << 16) | (c[3] << 24), c[4] | (c[5] << 8) | (c[6] << 16) | (c[7] << 24));
-}
-
-// The largest of the lanes' non-negative, non-NaN floats: their bit patterns order as unsigned
-// integers, so one warp reduction instruction does it. The kernels pass finite_abs maxima (finite,
-// >= 0: +inf, whose pattern is above every finite one, never reaches it).
-__device__ __forceinline__ float warp_max_nonneg(float x) {
-  return __uint_as_float(__reduce_max_sync(kFullMask, __float_as_uint(x)));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -301,9 +212,6 @@ __device__ __forceinline__ float lds_f32(uint32_t addr) {
   asm("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
   return v;
 }
-
-// Asks for the cache line holding p to be brought into L2 (a hint: no registers, no wait).
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // The top bytes of four 32-bit words, packed into one word (byte k from w[k]).
 __device__ __forceinline__ uint32_t top_bytes(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
@@ -384,3 +292,4 @@ __device__ __forceinline__ void build_code_table_block(const float* __restrict__
 }  // namespace cuda_detail
 }  // namespace pagedopt
 #endif  // __CUDACC__
+

@@ -1,0 +1,92 @@
+#pragma once
+// What the lanes of the CUDA kernels read and write (csrc/cuda/quantize.cu, the engine's kernels
+// csrc/cuda/quantized_step.cu and csrc/cuda/eight_bit_step_kernel.cuh): float32, bfloat16 and
+// float16 elements one at a time or 8 at once (Elem<T>), the bytes of 8 packed codes and L2
+// prefetch hints. CUDA only.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace pagedopt {
+namespace cuda_detail {
+
+constexpr int kWarp = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---------------------------------------------------------------------------------------------
+// Element conversions. Loads are exact; stores round to nearest even (as c10's conversions do).
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+struct Elem;
+
+// Vector accesses go through __ldcs / __stcs: global-space, streaming (each byte is touched once).
+template <>
+struct Elem<float> {
+  static __device__ __forceinline__ float load(const float* p) { return *p; }
+  static __device__ __forceinline__ void store(float* p, float x) { *p = x; }
+  // 8 consecutive elements, 32-byte aligned.
+  static __device__ __forceinline__ void load8(const float* p, float (&x)[8]) {
+    const float4 a = __ldcs(reinterpret_cast<const float4*>(p));
+    const float4 b = __ldcs(reinterpret_cast<const float4*>(p + 4));
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+  }
+  static __device__ __forceinline__ void store8(float* p, const float (&x)[8]) {
+    __stcs(reinterpret_cast<float4*>(p), make_float4(x[0], x[1], x[2], x[3]));
+    __stcs(reinterpret_cast<float4*>(p + 4), make_float4(x[4], x[5], x[6], x[7]));
+  }
+};
+
+__device__ __forceinline__ float bf16_bits_to_float(uint32_t b) { return __uint_as_float(b << 16); }
+__device__ __forceinline__ uint32_t float_to_bf16_bits(float x) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+__device__ __forceinline__ float half_bits_to_float(uint32_t b) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+}
+__device__ __forceinline__ uint32_t float_to_half_bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
+
+template <typename T, float (*ToFloat)(uint32_t), uint32_t (*FromFloat)(float)>
+struct Elem16 {
+  static __device__ __forceinline__ float load(const T* p) {
+    return ToFloat(*reinterpret_cast<const uint16_t*>(p));
+  }
+  static __device__ __forceinline__ void store(T* p, float x) {
+    *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(FromFloat(x));
+  }
+  // 8 consecutive elements, 16-byte aligned.
+  static __device__ __forceinline__ void load8(const T* p, float (&x)[8]) {
+    const uint4 r = __ldcs(reinterpret_cast<const uint4*>(p));
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      x[2 * k] = ToFloat(w[k] & 0xffffu);
+      x[2 * k + 1] = ToFloat(w[k] >> 16);
+    }
+  }
+  static __device__ __forceinline__ void store8(T* p, const float (&x)[8]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = FromFloat(x[2 * k]) | (FromFloat(x[2 * k + 1]) << 16);
+    __stcs(reinterpret_cast<uint4*>(p), make_uint4(w[0], w[1], w[2], w[3]));
+  }
+};
+
+template <>
+struct Elem<c10::BFloat16> : Elem16<c10::BFloat16, bf16_bits_to_float, float_to_bf16_bits> {};
+template <>
+struct Elem<c10::Half> : Elem16<c10::Half, half_bits_to_float, float_to_half_bits> {};
+
+__device__ __forceinline__ uint32_t byte_of(uint2 w, int k) {
+  return __byte_perm(k < 4 ? w.x : w.y, 0u, 0x4440u | static_cast<uint32_t>(k & 3));
+}
+
+// Asks for the cache line holding p to be brought into L2 (a hint: no registers, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+}  // namespace cuda_detail
+}  // namespace pagedopt
