@@ -34,7 +34,7 @@ build() {  # $1: source tree, $2: name (before|after); builds a copy in $HOME/$2
     log "$2: build reused"; return 0
   fi
   rm -rf "$dst"; mkdir -p "$dst"; cp -r "$1"/. "$dst"/
-  (cd "$dst" && PAGEDOPT_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=8 python3 setup.py build_ext --inplace \
+  (cd "$dst" && PAGEDOPT_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=8 timeout "${BUILD_S:-300}" python3 setup.py build_ext --inplace \
      > "$OUT/build_$2.log" 2>&1) || { log "$2: BUILD FAILED"; tail -20 "$OUT/build_$2.log"; return 1; }
   echo "$stamp" > "$dst/.stamp"; log "$2: built"
 }
