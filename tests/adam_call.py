@@ -13,7 +13,9 @@ def adam8bit_step(params, grads, state1, state2, absmax1, absmax2, steps, code1,
                   weight_decay, decoupled, grad_scale=None, found_inf=None):
     """One fused 8-bit Adam/AdamW step over lists of tensors: quantized_step_("adam", ...) with
     state1 (m, signed codebook code1) and state2 (v, unsigned codebook code2) as its two keys."""
+    eight_bit = len(params) > 0  # empty lists: nothing to update, no width to check codebooks against
     _ops.quantized_step_("adam", list(params), list(grads), [list(state1), list(state2)],
-                         [list(absmax1), list(absmax2)], list(steps), [code1, code2],
+                         [list(absmax1), list(absmax2)] if eight_bit else [], list(steps),
+                         [code1, code2] if eight_bit else [],
                          adam_hyper(lr, beta1, beta2, eps, weight_decay, decoupled),
                          grad_scale=grad_scale, found_inf=found_inf)

@@ -110,11 +110,16 @@ def test_gradients_set_by_hand_are_updated_in_step_and_kept(device):
 
 
 @pytest.mark.cuda
-def test_released_gradients_lower_the_memory_backward_holds():
+def test_released_gradients_lower_the_memory_backward_holds(monkeypatch):
     """Measured, not assumed: the peak memory allocated during a backward with updates is lower
     with released gradients than with kept ones, by at least half the gradients' bytes (each is
-    freed once its chunk's update has read it; a few chunks may be in flight)."""
+    freed once its chunk's update has read it; a few chunks may be in flight). Chunks of 4 MiB of
+    states (two of the 24 layers' 2 MiB of 8-bit states), so that the model spans twelve of them
+    (with the default 64 MiB chunk it would be one chunk, updated after the last gradient)."""
     _require("cuda")
+    from pagedopt.optim import residency
+
+    monkeypatch.setattr(residency, "CHUNK_BYTES", 4 << 20)
     torch.manual_seed(0)
     peaks = {}
     for keep in (True, False):
