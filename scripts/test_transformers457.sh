@@ -14,9 +14,11 @@ if [ "${PAGEDOPT_TEST_TRANSFORMERS:-1}" = 0 ]; then
   exit 0
 fi
 if [ ! -x "$VENV/bin/python" ]; then
+  echo "pagedopt test set-up: creating $VENV/ in $PWD (a venv over the packages of $PY, for transformers 4.57)"
   "$PY" -m venv --system-site-packages "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import sys, transformers; sys.exit(not transformers.__version__.startswith('4.57.'))" 2>/dev/null; then
+  echo "pagedopt test set-up: installing transformers==4.57.* (and the huggingface-hub and tokenizers it needs) into $VENV/"
   "$VENV/bin/python" -m pip install -q "transformers==4.57.*"
 fi
 "$VENV/bin/python" - <<'PY'
