@@ -2,6 +2,10 @@
 
     python scripts/missing_packages.py NAME...       the NAMEs not installed (one line, space-separated)
     python scripts/missing_packages.py NAME==V...    also those installed at another version
+    python scripts/missing_packages.py NAME>=V...    also those installed at an older version
+    python scripts/missing_packages.py --editable-build NAME...
+                                                     the NAMEs, and what `pip install --no-build-isolation -e .`
+                                                     needs: setuptools>=64, and wheel where setuptools < 70.1
     python scripts/missing_packages.py --installed-here pagedopt
                                                      exit 0 when pagedopt is installed, editable, from this checkout
     python scripts/missing_packages.py --where pagedopt
@@ -18,16 +22,30 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _release(version: str) -> tuple:
+    """The leading numbers of a version: "70.1.0.post1" -> (70, 1, 0)."""
+    parts = []
+    for piece in version.split("."):
+        digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
+        if not digits or not piece.startswith(digits):
+            if digits:
+                parts.append(int(digits))
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
 def missing(requirements: list[str]) -> list[str]:
     out = []
     for req in requirements:
-        name, _, version = req.partition("==")
+        op = ">=" if ">=" in req else "=="
+        name, _, version = req.partition(op)
         try:
             have = metadata.version(name)
         except metadata.PackageNotFoundError:
             out.append(req)
             continue
-        if version and have != version:
+        if version and (have != version if op == "==" else _release(have) < _release(version)):
             out.append(req)
     return out
 
@@ -58,6 +76,14 @@ def main(argv: list[str]) -> int:
                 where = ""
         print(where)
         return 0
+    if argv[:1] == ["--editable-build"]:
+        argv = argv[1:] + ["setuptools>=64"]
+        try:  # setuptools has its own bdist_wheel since 70.1; before it, the wheel package's
+            old = _release(metadata.version("setuptools")) < (70, 1)
+        except metadata.PackageNotFoundError:
+            old = False  # the setuptools>=64 installed then is newer
+        if old:
+            argv.append("wheel")
     print(" ".join(missing(argv)))
     return 0
 

@@ -3,7 +3,8 @@
 # its build. Everything goes into the environment of $PYTHON (python3 by default); what it does is
 # printed. Idempotent: a second run with nothing changed installs nothing and compiles nothing.
 #
-#   1. torch==2.14.1 if no torch is importable; ninja and tqdm if missing (pip).
+#   1. torch==2.14.1 if no torch is importable; ninja and tqdm if missing (pip); for step 3,
+#      setuptools>=64, and wheel where setuptools is older than 70.1 (as in a fresh venv).
 #   2. The extension, built in place: `python setup.py build_ext --inplace`, objects and ninja's
 #      log kept in ./build, so only what changed is compiled (scripts/build_progress.py prints
 #      which units, the progress and the elapsed time).
@@ -21,10 +22,10 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   say "installing torch==2.14.1 into $SITE"
   "$PY" -m pip install -q "torch==2.14.1"
 fi
-MISSING=$("$PY" scripts/missing_packages.py ninja tqdm)
-if [ -n "$MISSING" ]; then
-  say "installing $MISSING into $SITE"
-  "$PY" -m pip install -q $MISSING
+read -r -a MISSING <<<"$("$PY" scripts/missing_packages.py --editable-build ninja tqdm)"
+if [ "${#MISSING[@]}" != 0 ]; then
+  say "installing ${MISSING[*]} into $SITE"
+  "$PY" -m pip install -q "${MISSING[@]}"
 fi
 
 # Build the extension in place (CUDA kernels too when torch is a CUDA build and nvcc exists).

@@ -137,14 +137,17 @@ def test_quick_start_says_what_each_command_installs():
         with open(os.path.join(REPO, "scripts", script)) as f:
             text = f.read()
         found = set()
-        for line in re.findall(r'MISSING=\$\("\$PY" scripts/missing_packages\.py ([^)]*)\)', text):
-            found |= {w.strip('"').replace("$TRANSFORMERS_VERSION", "5.25.0").replace("$ACCELERATE_VERSION", "1.16.0")
-                      for w in line.split()}
+        for line in re.findall(r'(?:MISSING=|<<<")\$\("\$PY" scripts/missing_packages\.py ([^)]*)\)', text):
+            words = [w.strip('"').replace("$TRANSFORMERS_VERSION", "5.25.0").replace("$ACCELERATE_VERSION", "1.16.0")
+                     for w in line.split()]
+            if "--editable-build" in words:  # what the editable install needs (missing_packages.py)
+                words += ["setuptools>=64", "wheel"]
+            found |= {w for w in words if not w.startswith("-")}
         found |= set(re.findall(r'pip install -q "(torch==[^"]+)"', text))
         return found
 
     demo, tests = installed("setup.sh"), installed("setup_tests.sh")
-    assert demo == {"torch==2.14.1", "ninja", "tqdm"}
+    assert demo == {"torch==2.14.1", "ninja", "tqdm", "setuptools>=64", "wheel"}
     assert tests >= {"pytest", "hypothesis", "matplotlib", "transformers==5.25.0", "accelerate==1.16.0"}
     table = re.search(r"^\| \| `make demo`.*?\n\n", quick_start(), re.S | re.M).group(0)
     columns = [row.split("|")[2:4] for row in table.splitlines() if row.startswith("| packages")]
