@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 say() { echo "pagedopt set-up: $*"; }
 SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 
-if ! "$PY" -c "import torch" 2>/dev/null; then
+if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" 2>/dev/null; then
   # On our machines this CUDA build of torch is served from local disk; with it the CUDA
   # sources compile and link even where there is no GPU.
   say "installing torch==2.14.1 into $SITE"
