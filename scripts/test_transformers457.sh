@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs tests/test_transformers_trainer.py on transformers 4.57, the oldest version that
 # pagedopt.integrations.transformers supports, in a venv over the system packages (torch,
-# pagedopt as built in place by scripts/setup.sh, pytest, hypothesis, accelerate), so only
+# pagedopt as built in place by scripts/setup.sh, and pytest, hypothesis, accelerate from
+# scripts/setup_tests.sh), so only
 # transformers 4.57 and its huggingface-hub/tokenizers are installed there. Idempotent; used by
 # `make test` and `make test-transformers-457`. PAGEDOPT_TEST_TRANSFORMERS=0 skips it.
 set -euo pipefail
