@@ -360,18 +360,16 @@ def _explain_missing_names(enum_cls, why: str) -> None:
     """Where the names could not be added, ``OptimizerNames("pagedopt_...")`` (and so
     ``TrainingArguments(optim="pagedopt_...")``) raises a ValueError that names the route that
     needs no names, instead of transformers' list of valid names."""
-    original = enum_cls.__dict__.get("_missing_")
-    if getattr(getattr(original, "__func__", None), "_pagedopt", False):
+    if getattr(getattr(enum_cls.__dict__.get("_missing_"), "__func__", None), "_pagedopt", False):
         return
+    inherited = enum_cls._missing_  # transformers' own (ExplicitEnum's: "... please select one of [...]")
 
     def _missing_(cls, value):
         if isinstance(value, str) and value in NAMES:
             raise ValueError(f"{value!r} is not a TrainingArguments optim name here: {why}. Use "
                              + _ROUTE.format(name=value) + " with no optim= (or call "
                              "pagedopt.integrations.transformers.register() to see the error again)")
-        if original is not None:
-            return original.__get__(None, cls)(value)
-        return None
+        return inherited(value)
 
     _missing_._pagedopt = True
     enum_cls._missing_ = classmethod(_missing_)
