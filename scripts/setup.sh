@@ -30,16 +30,15 @@ fi
 
 # Build the extension in place (CUDA kernels too when torch is a CUDA build and nvcc exists).
 "$PY" setup.py -q build_ext --inplace
+COMPILED=$("$PY" -c "import json; r = json.load(open('build/pagedopt-build.json')); print(f\"{len(r['compiled'])} of {len(r['units'])}\")")
 
 if ! "$PY" scripts/missing_packages.py --installed-here pagedopt >/dev/null; then
   WAS=$("$PY" scripts/missing_packages.py --where pagedopt)
   say "installing pagedopt from $PWD into $SITE as an editable package${WAS:+ (in place of the one from $WAS)}"
   "$PY" -m pip install -q --no-build-isolation --no-deps -e .
 fi
-"$PY" - <<'PY'
-import json, pathlib, torch, pagedopt._ops as o
-record = json.loads(pathlib.Path("build/pagedopt-build.json").read_text())
+"$PY" - "$COMPILED" <<'PY'
+import sys, torch, pagedopt._ops as o
 print(f"pagedopt set-up: done; torch {torch.__version__}, CUDA kernels: {'yes' if o.has_cuda_kernels() else 'no'}, "
-      f"GPU present: {torch.cuda.is_available()}; the last build compiled {len(record['compiled'])} of "
-      f"{len(record['units'])} units")
+      f"GPU present: {torch.cuda.is_available()}; this set-up compiled {sys.argv[1]} units")
 PY
