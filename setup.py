@@ -1,9 +1,18 @@
 """Build pagedopt._C: CPU kernels always, CUDA kernels and paging when nvcc and a CUDA torch exist.
 
 PAGEDOPT_CUDA=1 forces the CUDA build (and fails clearly if it cannot be done);
-PAGEDOPT_CUDA=0 builds the CPU kernels only.
+PAGEDOPT_CUDA=0 builds the CPU kernels only. MAX_JOBS sets the parallel compile jobs (default: one
+per core).
+
+One build directory, ./build, serves every way of building: ``python setup.py build_ext --inplace``
+(what ``make setup`` runs), ``pip install --no-build-isolation -e .`` and ``pip install .``. Its
+objects and ninja's log stay there, so a build compiles only the units whose sources, headers or
+build settings (``build/config.stamp``) changed, and an editable install right after a build
+compiles nothing. scripts/build_progress.py says which units compile, with progress and elapsed
+time, and records each build in ``build/pagedopt-build.json``.
 """
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -16,6 +25,9 @@ import torch
 from torch.utils import cpp_extension
 
 ROOT = Path(__file__).parent.resolve()
+BUILD = ROOT / "build"
+sys.path.insert(0, str(ROOT / "scripts"))
+import build_progress  # noqa: E402  (scripts/build_progress.py)
 
 
 def _find_cuda_home():
@@ -116,11 +128,29 @@ def build_extension():
             "pagedopt._C", sources, include_dirs=include_dirs, define_macros=define_macros,
             extra_compile_args={"cxx": cxx}, extra_link_args=link_args,
         )
-    print(f"pagedopt: building with CUDA={'yes (' + cuda_home + ')' if with_cuda else 'no'}", flush=True)
+    ext.depends = _headers()
+    ext.build_config = {
+        "sources": sources, "include_dirs": include_dirs, "define_macros": define_macros, "cxx": cxx,
+        "nvcc": nvcc if with_cuda else None, "link": link_args, "cuda_home": cuda_home if with_cuda else None,
+        "arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST") if with_cuda else None,
+        "torch": torch.__version__, "torch_cuda": torch.version.cuda, "python": sys.version,
+        "compilers": {k: os.environ.get(k) for k in ("CC", "CXX", "NVCC_CCBIN", "CUDAHOSTCXX")},
+    }
+    print(f"pagedopt build: CUDA kernels {'yes (' + cuda_home + ', TORCH_CUDA_ARCH_LIST=' + os.environ.get('TORCH_CUDA_ARCH_LIST', 'of the visible GPUs') + ')' if with_cuda else 'no'}",
+          flush=True)
     return ext
+
+
+def _headers():
+    """Every header under csrc/: a change to one rebuilds (ninja then recompiles only the units
+    that include it, from the compilers' dependency files)."""
+    found = []
+    for pattern in ("*.h", "*.hpp", "*.cuh"):
+        found += glob.glob(f"csrc/**/{pattern}", recursive=True)
+    return sorted(found)
 
 
 setup(
     ext_modules=[build_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass=build_progress.build_commands(BUILD),
 )

@@ -104,6 +104,16 @@ def train(optimizer: str, steps: int = 300, seed: int = 0, device: str = "cpu", 
                 state_bytes=optimizer_state_bytes(opt), quantized_params=q_params, quantized_state_bytes=q_bytes)
 
 
+TABLE_HEADER = f"{'optimizer':<20}{'train loss':>11}{'val loss':>10}{'state bytes':>13}{'bytes/param':>13}{'time s':>8}"
+
+
+def table_row(r: dict) -> str:
+    """One optimizer's line of the table under :data:`TABLE_HEADER` (``r``: :func:`train`'s result and
+    ``seconds``)."""
+    return (f"{r['optimizer']:<20}{r['train_loss']:>11.4f}{r['val_loss']:>10.4f}{r['state_bytes']:>13,}"
+            f"{r['state_bytes'] / r['params']:>13.3f}{r['seconds']:>8.1f}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -119,10 +129,9 @@ def main(argv=None) -> None:
         r["seconds"] = time.perf_counter() - t0
         results.append(r)
     print()
-    print(f"{'optimizer':<20}{'train loss':>11}{'val loss':>10}{'state bytes':>13}{'bytes/param':>13}{'time s':>8}")
+    print(TABLE_HEADER)
     for r in results:
-        print(f"{r['optimizer']:<20}{r['train_loss']:>11.4f}{r['val_loss']:>10.4f}{r['state_bytes']:>13,}"
-              f"{r['state_bytes'] / r['params']:>13.3f}{r['seconds']:>8.1f}")
+        print(table_row(r))
     ref, ours = results
     if ours["quantized_params"]:
         print(f"\n8-bit states: {ours['quantized_state_bytes'] / ours['quantized_params']:.4f} bytes/param over "

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs tests/test_transformers_trainer.py on transformers 4.57, the oldest version that
 # pagedopt.integrations.transformers supports, in a venv over the system packages (torch,
-# pagedopt as built in place by scripts/setup.sh, pytest, hypothesis, accelerate), so only
+# pagedopt as built in place by scripts/setup.sh, and pytest, hypothesis, accelerate from
+# scripts/setup_tests.sh), so only
 # transformers 4.57 and its huggingface-hub/tokenizers are installed there. Idempotent; used by
 # `make test` and `make test-transformers-457`. PAGEDOPT_TEST_TRANSFORMERS=0 skips it.
 set -euo pipefail
@@ -14,9 +15,11 @@ if [ "${PAGEDOPT_TEST_TRANSFORMERS:-1}" = 0 ]; then
   exit 0
 fi
 if [ ! -x "$VENV/bin/python" ]; then
+  echo "pagedopt test set-up: creating $VENV/ in $PWD (a venv over the packages of $PY, for transformers 4.57)"
   "$PY" -m venv --system-site-packages "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import sys, transformers; sys.exit(not transformers.__version__.startswith('4.57.'))" 2>/dev/null; then
+  echo "pagedopt test set-up: installing transformers==4.57.* (and the huggingface-hub and tokenizers it needs) into $VENV/"
   "$VENV/bin/python" -m pip install -q "transformers==4.57.*"
 fi
 "$VENV/bin/python" - <<'PY'

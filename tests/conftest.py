@@ -26,3 +26,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# The closing summary groups the skipped tests by reason, a line each (most of them need a GPU on
+# a machine without one); `pytest -rs` still lists them one by one.
+SKIP_SUMMARY_LINES = 8
+
+
+def skip_reasons(reports) -> list[tuple[int, str]]:
+    """[(count, reason)] of skipped test reports, most frequent first (ties by reason)."""
+    counts: dict[str, int] = {}
+    for rep in reports:
+        longrepr = rep.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reason = reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+        counts[reason] = counts.get(reason, 0) + 1
+    return sorted(((n, r) for r, n in counts.items()), key=lambda nr: (-nr[0], nr[1]))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    reports = [r for r in terminalreporter.stats.get("skipped", []) if getattr(r, "skipped", False)]
+    if not reports:
+        return
+    grouped = skip_reasons(reports)
+    shown, rest = grouped[:SKIP_SUMMARY_LINES], grouped[SKIP_SUMMARY_LINES:]
+    terminalreporter.write_sep("-", f"{len(reports)} skipped, by reason")
+    for n, reason in shown:
+        terminalreporter.write_line(f"{n:6d}  {reason}")
+    if rest:
+        terminalreporter.write_line(f"{sum(n for n, _ in rest):6d}  for {len(rest)} other reasons (pytest -rs lists each)")

@@ -224,6 +224,20 @@ def test_cli_json_equals_the_estimate(tmp_path, capsys):
         memory.main(["--config", path, "--optimizer", "sgd"])
 
 
+def test_cli_comparison_columns_line_up(capsys):
+    """Every optimizer's line of "same run with each optimizer" has its figures in one column, the
+    longest name (paged_ademamix_8bit) included."""
+    assert memory.main(["--params", "7e9", "--gpu", "24"]) == 0
+    text = capsys.readouterr().out
+    lines = text.split("same run with each optimizer:\n", 1)[1].splitlines()
+    rows = lines[:len(memory.OPTIMIZERS)]
+    assert all(" states " in r for r in rows) and any("paged_ademamix_8bit " in r for r in rows)
+    assert len({r.index(" states ") for r in rows}) == 1, "\n".join(rows)
+    assert len({r.index(" peak ") for r in rows}) == 1, "\n".join(rows)
+    for row, name in zip(rows, memory.OPTIMIZERS):
+        assert row.split()[0] == name
+
+
 def test_memory_report_and_log_memory():
     model = _real_model(CONFIGS["gqa_untied"])
     with warnings.catch_warnings():

@@ -106,3 +106,53 @@ def test_memory_callback_snippet(tmp_path):
     exec(block, ns)
     entries = [h for h in ns["trainer"].state.log_history if "mem/allocated_gib" in h]
     assert [h["step"] for h in entries] == [50, 100]
+
+
+# ------------------------------------------------------------------ Quick start
+def quick_start() -> str:
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    return re.search(r"^## Quick start\n(.*?)(?=^## )", text, re.S | re.M).group(1)
+
+
+def test_demo_table_as_the_demo_prints_it():
+    """The example output has the demo's header, and each row its fields where the header's end."""
+    from pagedopt import demo
+
+    block = re.search(r"`make demo` prints .*?```\n(.*?)```", quick_start(), re.S).group(1).splitlines()
+    assert block[0] == demo.TABLE_HEADER
+
+    header_ends = [m.end() for m in re.finditer(r"\S+( \S+)?(?=\s{2,}|$)", block[0])]
+    rows = [line for line in block[1:] if line.startswith(("torch.", "pagedopt."))]
+    assert len(rows) == 2
+    for row in rows:
+        # the first column is left-aligned, the others right-aligned under their header
+        assert [m.end() for m in re.finditer(r"\S+", row)][1:] == header_ends[1:], row
+
+
+def test_quick_start_says_what_each_command_installs():
+    """Every package scripts/setup.sh (make demo) and scripts/setup_tests.sh (make test) install is
+    in the README's column of that command, and the demo's set-up installs none of the tests'."""
+    def installed(script):
+        with open(os.path.join(REPO, "scripts", script)) as f:
+            text = f.read()
+        found = set()
+        for line in re.findall(r'(?:MISSING=|<<<")\$\("\$PY" scripts/missing_packages\.py ([^)]*)\)', text):
+            words = [w.strip('"').replace("$TRANSFORMERS_VERSION", "5.25.0").replace("$ACCELERATE_VERSION", "1.16.0")
+                     for w in line.split()]
+            if "--editable-build" in words:  # what the editable install needs (missing_packages.py)
+                words += ["setuptools>=64", "wheel"]
+            found |= {w for w in words if not w.startswith("-")}
+        found |= set(re.findall(r'pip install -q "(torch==[^"]+)"', text))
+        return found
+
+    demo, tests = installed("setup.sh"), installed("setup_tests.sh")
+    assert demo == {"torch==2.14.1", "ninja", "tqdm", "setuptools>=64", "wheel"}
+    assert tests >= {"pytest", "hypothesis", "matplotlib", "transformers==5.25.0", "accelerate==1.16.0"}
+    table = re.search(r"^\| \| `make demo`.*?\n\n", quick_start(), re.S | re.M).group(0)
+    columns = [row.split("|")[2:4] for row in table.splitlines() if row.startswith("| packages")]
+    (demo_column, tests_column), = columns
+    for name in demo:
+        assert f"`{name}`" in demo_column, name
+    for name in tests:
+        assert f"`{name}`" in tests_column and f"`{name}`" not in demo_column, name

@@ -6,7 +6,11 @@ Runs on transformers 4.57 and 5.x (``make test-transformers-457`` runs this file
   name), lr/betas/eps/weight decay from the TrainingArguments, 32-bit embedding states (8-bit
   with ``embeddings_32bit=false``) and 8-bit states on the other large matrices for 8-bit names;
   the names cover every optimizer class pagedopt exports;
-* ``optim_args`` is parsed strictly, also when it reaches the Trainer;
+* ``optim_args`` is parsed strictly, when the TrainingArguments are made and when it reaches the Trainer;
+* ``import pagedopt`` alone names the optimizers, whichever of pagedopt and transformers is
+  imported first (fresh processes); with PAGEDOPT_AUTO_REGISTER=0 only ``register()`` does; where
+  the names cannot be added, the error names the route that needs none;
+* on the CPU a paged name warns once, at the user's ``trainer.train()``;
 * an HfArgumentParser built after ``register()`` takes the README's command line;
 * resume, for three representative names: 6 uninterrupted steps (checkpoints at 3 and 6) against
   a new process that loads ``checkpoint-3/training_args.bin`` before anything has imported
@@ -214,15 +218,127 @@ def test_optim_args_strict(name, optim_args, message):
         assert set(listed.split(", ")) == expected_keys(name)
 
 
-def test_optim_args_strict_in_trainer(tmp_path):
-    # "beta2" alone would fail in transformers' own parser with an unpacking error; ours runs first
-    model = tiny.make_model(SEED)
-    args = TrainingArguments(optim="pagedopt_adamw_8bit", optim_args="beta2",
-                             **tiny.run_kwargs(str(tmp_path), 1, 1, SEED))
+def test_optim_args_refused_when_the_arguments_are_made(tmp_path, monkeypatch):
+    # "beta2" alone would fail in transformers' own parser with an unpacking error; ours runs first,
+    # when the TrainingArguments are made, on the command line too
+    kwargs = tiny.run_kwargs(str(tmp_path), 1, 1, SEED)
+    with pytest.raises(ValueError, match=r"optim_args 'beta2': 'beta2' is not key=value; accepted keys"):
+        TrainingArguments(optim="pagedopt_adamw_8bit", optim_args="beta2", **kwargs)
+    with pytest.raises(ValueError, match=r"optim_args 'lr=1e-3': unknown key 'lr'; accepted keys"):
+        TrainingArguments(optim="pagedopt_paged_lion_8bit", optim_args="lr=1e-3", **kwargs)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"unknown key 'optim_bits'"):
+        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+            args=["--output_dir", "out", "--use_cpu", "--optim", "pagedopt_adamw_8bit", "--optim_args", "optim_bits=8"])
+    TrainingArguments(optim="adamw_torch", optim_args="anything=1", **kwargs)  # not ours: not checked
+    # a value set afterwards is refused when the Trainer makes the optimizer
+    args = TrainingArguments(optim="pagedopt_adamw_8bit", **kwargs)
+    args.optim_args = "beta2"
     with pytest.raises(ValueError, match="is not key=value.*accepted keys"):
-        Trainer(model=model, args=args, train_dataset=tiny.Tokens(DATA_SEED)).create_optimizer()
+        Trainer(model=tiny.make_model(SEED), args=args, train_dataset=tiny.Tokens(DATA_SEED)).create_optimizer()
     with pytest.raises(ValueError, match="is not a pagedopt optimizer name"):
         pagedopt_hf.optimizer_cls_and_kwargs("adamw_torch", args)
+
+
+def test_fallback_warning_names_the_trainer_line(tmp_path):
+    """On the CPU a paged name's optimizer works unpaged and says so once, at trainer.train()."""
+    import inspect
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(tmp_path, "pagedopt_paged_adamw_8bit")
+    ours = [w for w in caught if issubclass(w.category, pagedopt.paging.PagingFallbackWarning)]
+    source, first = inspect.getsourcelines(train)
+    line = first + next(i for i, text in enumerate(source) if "trainer.train()" in text)
+    assert [(w.filename, w.lineno) for w in ours] == [(__file__, line)]
+
+
+# ------------------------------------------------------------------ the names with no register()
+# Each case in a fresh process: import pagedopt, and transformers before or after it.
+AUTO_CHILD = textwrap.dedent("""
+    import json, os, sys, warnings
+    sys.path.insert(0, os.environ["TESTS_DIR"])
+    case, out = sys.argv[1], {}
+    caught = warnings.catch_warnings(record=True)
+    got = caught.__enter__()
+    warnings.simplefilter("always")
+    if case == "transformers_first":
+        from transformers import Trainer, TrainingArguments
+    import pagedopt
+    out["transformers_imported_by_pagedopt"] = case != "transformers_first" and "transformers" in sys.modules
+    if case == "cannot":  # as if a future Python's enum refused the new members
+        import pagedopt.integrations.transformers as integration
+        def refuse(*args):
+            raise RuntimeError("enum refused the member (simulated)")
+        integration._add_enum_member = refuse
+    from transformers import Trainer, TrainingArguments
+    import transformers.trainer, transformers.training_args
+    import _hf_tiny as tiny
+    out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in got if w.category is RuntimeWarning]
+    kwargs = tiny.run_kwargs(os.environ["OUT_DIR"], 1, 1, 0)
+    def make(optim):
+        try:
+            args = TrainingArguments(optim=optim, **kwargs)
+            opt = Trainer(model=tiny.make_model(0), args=args, train_dataset=tiny.Tokens(1)).create_optimizer()
+            return type(getattr(opt, "optimizer", opt)).__name__
+        except ValueError as e:
+            return f"ValueError: {e}"
+    out["pagedopt_paged_adamw_8bit"] = make("pagedopt_paged_adamw_8bit")
+    out["adamw_torch"] = make("adamw_torch")
+    out["nonsense"] = make("nonsense")
+    if case == "off":
+        import pagedopt.integrations.transformers as integration
+        integration.register()
+        out["after_register"] = make("pagedopt_paged_adamw_8bit")
+    out["finders_left"] = [type(f).__name__ for f in sys.meta_path if type(f).__module__.startswith("pagedopt")]
+    out["loaders"] = [type(m.__loader__).__name__ for m in (transformers.training_args, transformers.trainer)]
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def auto_cases(tmp_path_factory):
+    """{case: the child's report}, the four children run at once."""
+    cases = {"pagedopt_first": {}, "transformers_first": {}, "off": {"PAGEDOPT_AUTO_REGISTER": "0"}, "cannot": {}}
+    procs = {}
+    for case, env in cases.items():
+        env = {**os.environ, **env, "TESTS_DIR": TESTS_DIR, "OUT_DIR": str(tmp_path_factory.mktemp(case))}
+        procs[case] = subprocess.Popen([sys.executable, "-c", AUTO_CHILD, case], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    reports = {}
+    for case, proc in procs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{case}: {err[-4000:]}"
+        reports[case] = json.loads(out.strip().splitlines()[-1])
+    return reports
+
+
+@pytest.mark.parametrize("case", ["pagedopt_first", "transformers_first"])
+def test_import_pagedopt_names_the_optimizers(auto_cases, case):
+    r = auto_cases[case]
+    assert r["transformers_imported_by_pagedopt"] is False  # pagedopt waits for transformers' own import
+    assert r["pagedopt_paged_adamw_8bit"] == "PagedAdamW8bit" and r["adamw_torch"] == "AdamW"
+    assert "is not a valid OptimizerNames" in r["nonsense"]  # transformers' own message for other names
+    assert r["warnings"] == [] and r["finders_left"] == []
+    assert r["loaders"] == ["SourceFileLoader", "SourceFileLoader"]  # the modules keep their loaders
+
+
+def test_names_off_until_register(auto_cases):
+    r = auto_cases["off"]
+    assert "pagedopt_paged_adamw_8bit is not a valid OptimizerNames" in r["pagedopt_paged_adamw_8bit"]
+    assert r["after_register"] == "PagedAdamW8bit" and r["finders_left"] == []
+
+
+def test_names_that_cannot_be_added_name_the_call_to_make(auto_cases):
+    r = auto_cases["cannot"]
+    assert len(r["warnings"]) == 1 and "enum refused the member (simulated)" in r["warnings"][0]
+    message = r["pagedopt_paged_adamw_8bit"]
+    assert message.startswith("ValueError: 'pagedopt_paged_adamw_8bit' is not a TrainingArguments optim name here")
+    assert ("optimizer_cls_and_kwargs=pagedopt.integrations.transformers.optimizer_cls_and_kwargs"
+            "('pagedopt_paged_adamw_8bit', args, model)") in message
+    # other names as before, with transformers' own message
+    assert r["adamw_torch"] == "AdamW" and "is not a valid OptimizerNames, please select one of" in r["nonsense"]
 
 
 # ------------------------------------------------------------------ README section

@@ -1,16 +1,15 @@
 """Hugging Face Trainer ``optim=`` names for pagedopt (transformers 4.57 and 5.x).
 
-    import pagedopt.integrations.transformers as pagedopt_hf
-    pagedopt_hf.register()      # before TrainingArguments(optim=...) or HfArgumentParser(...)
+    import pagedopt             # the names are valid once transformers is imported, before or after
 
     args = TrainingArguments("out", optim="pagedopt_paged_adamw_8bit",
                              optim_args="min_8bit_size=16384,beta2=0.95")
     Trainer(model=model, args=args, train_dataset=ds).train()
 
-or, on the command line of a script that calls ``register()`` before it builds its parser,
+or, on the command line of a script that imports pagedopt before it builds its parser,
 ``--optim pagedopt_paged_adamw_8bit --optim_args "min_8bit_size=16384,beta2=0.95"``.
 
-Without ``register()`` (the Trainer's own, patch-free route; ``args.optim`` is then ignored):
+Without the names (the Trainer's own, patch-free route; ``args.optim`` is then ignored):
 
     cls, kwargs = pagedopt_hf.optimizer_cls_and_kwargs("pagedopt_adamw_8bit", args, model)
     Trainer(model=model, args=args, train_dataset=ds, optimizer_cls_and_kwargs=(cls, kwargs))
@@ -65,10 +64,21 @@ Design decisions
   parser runs before transformers' own (which in 5.x would otherwise fail first on a malformed
   entry). A Trainer subclass that overrides the method without calling ``super()`` does not see
   our names; it can use ``optimizer_cls_and_kwargs`` directly.
-* ``import pagedopt`` does not register, lazily or otherwise: importing an optimizer library
-  should not change another library, and a registration that happened only when transformers was
-  imported first would make the names work or not depending on import order. ``register()`` is
-  one explicit, idempotent, thread-safe line.
+* ``import pagedopt`` registers, when transformers is imported (issue 34: a user who writes
+  ``optim="pagedopt_..."`` has imported pagedopt, and should not need a second line). It imports
+  nothing of transformers for it: ``pagedopt.integrations.import_hooks`` runs ``_on_import`` right
+  after transformers' own import of ``transformers.training_args`` (the names, and the check of
+  ``optim_args`` in ``TrainingArguments.__post_init__``) and of ``transformers.trainer`` (the
+  dispatch), or at once for a module already imported; so the import order does not matter, and a
+  process that never imports transformers is not touched. A failure there never fails the user's
+  import: it is a RuntimeWarning, and ``OptimizerNames("pagedopt_...")`` then raises a ValueError
+  that names ``optimizer_cls_and_kwargs`` (``_explain_missing_names``). ``PAGEDOPT_AUTO_REGISTER=0``
+  turns all of it off; ``register()`` stays one explicit, idempotent, thread-safe line that does
+  the same at once (and raises where the names cannot be added).
+* ``optim_args`` is checked when the arguments are made: ``TrainingArguments.__post_init__`` is
+  wrapped (once; subclasses call it through ``super()``), as transformers offers no hook for it; a
+  value set later (``args.optim_args = ...``, ``set_optimizer``) is checked when the Trainer makes
+  the optimizer.
 * Unpickling. The Trainer writes ``training_args.bin`` with ``torch.save(args)``, which pickles the
   enum member; an enum member normally unpickles as ``OptimizerNames("pagedopt_...")``, which in a
   fresh process (where nobody called ``register()``) raises. Each member we add therefore pickles
@@ -290,31 +300,105 @@ def _override_embeddings(model: torch.nn.Module, on: bool) -> None:
 
 # ---------------------------------------------------------------------------- registration
 _lock = threading.RLock()
-_registration = {"done": False, "busy": False}
+_registration = {"names": False, "dispatch": False, "busy": False}
 
 
 def register() -> None:
     """Make the names of ``NAMES`` valid ``TrainingArguments.optim`` values, ``--optim`` choices of
-    parsers built afterwards, and Trainer optimizers. Idempotent; imports transformers."""
+    parsers built afterwards, and Trainer optimizers; refuse a bad ``optim_args`` when the
+    ``TrainingArguments`` are made. Idempotent; imports transformers. ``import pagedopt`` does the
+    same when transformers is imported (see the module docstring), unless PAGEDOPT_AUTO_REGISTER=0."""
     with _lock:
         from transformers import trainer as hf_trainer
         from transformers import training_args as hf_training_args
 
+        _add_names(hf_training_args)
+        _wrap_get_optimizer_cls_and_kwargs(hf_trainer.Trainer)
+        _registration["dispatch"] = True
+
+
+def registered() -> bool:
+    """True when the names are valid TrainingArguments.optim values and Trainer optimizers."""
+    return _registration["names"] and _registration["dispatch"]
+
+
+def _add_names(hf_training_args) -> None:
+    with _lock:
+        if _registration["names"]:
+            return
         _registration["busy"] = True
         try:
             enum_cls = hf_training_args.OptimizerNames
             for name in NAMES:
                 _add_enum_member(enum_cls, name.upper(), name)
-            _wrap_get_optimizer_cls_and_kwargs(hf_trainer.Trainer)
-            _registration["done"] = True
+            _wrap_post_init(hf_training_args.TrainingArguments)
+            _registration["names"] = True
         finally:
             _registration["busy"] = False
+
+
+def _on_import(module) -> None:
+    """``import pagedopt``'s set-up, run when transformers.training_args or transformers.trainer
+    has been imported (pagedopt.integrations.import_hooks): the names, or the Trainer's dispatch."""
+    with _lock:
+        if module.__name__ == "transformers.training_args":
+            try:
+                _add_names(module)
+            except Exception as exc:
+                _explain_missing_names(module.OptimizerNames, str(exc))
+                raise  # given as a RuntimeWarning; TrainingArguments(optim="pagedopt_...") says the rest
+        elif module.__name__ == "transformers.trainer":
+            _wrap_get_optimizer_cls_and_kwargs(module.Trainer)
+            _registration["dispatch"] = True
+
+
+_ROUTE = ("Trainer(..., optimizer_cls_and_kwargs=pagedopt.integrations.transformers.optimizer_cls_and_kwargs"
+          "({name!r}, args, model))")
+
+
+def _explain_missing_names(enum_cls, why: str) -> None:
+    """Where the names could not be added, ``OptimizerNames("pagedopt_...")`` (and so
+    ``TrainingArguments(optim="pagedopt_...")``) raises a ValueError that names the route that
+    needs no names, instead of transformers' list of valid names."""
+    if getattr(getattr(enum_cls.__dict__.get("_missing_"), "__func__", None), "_pagedopt", False):
+        return
+    inherited = enum_cls._missing_  # transformers' own (ExplicitEnum's: "... please select one of [...]")
+
+    def _missing_(cls, value):
+        if isinstance(value, str) and value in NAMES:
+            raise ValueError(f"{value!r} is not a TrainingArguments optim name here: {why}. Use "
+                             + _ROUTE.format(name=value) + " with no optim= (or call "
+                             "pagedopt.integrations.transformers.register() to see the error again)")
+        return inherited(value)
+
+    _missing_._pagedopt = True
+    enum_cls._missing_ = classmethod(_missing_)
+
+
+def _wrap_post_init(args_cls) -> None:
+    """``TrainingArguments(optim="pagedopt_...", optim_args=...)`` refuses a bad ``optim_args``
+    when the arguments are made (the Trainer checks it again when it makes the optimizer)."""
+    original = args_cls.__dict__.get("__post_init__")
+    if original is None or getattr(original, "_pagedopt", False):
+        return
+
+    @functools.wraps(original)
+    def __post_init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        optim = getattr(self, "optim", None)
+        if getattr(optim, "value", optim) in NAMES:
+            parse_optim_args(optim, getattr(self, "optim_args", None))
+
+    __post_init__._pagedopt = True
+    args_cls.__post_init__ = __post_init__
 
 
 def _unpickle_optimizer_name(value: str):
     """Pickles of our OptimizerNames members call this (so keep its name): register, return it."""
     with _lock:
-        if not (_registration["done"] or _registration["busy"]):  # busy: register()'s own pickle check
+        # busy: the names' own pickle check. With the names there (import pagedopt's set-up), the
+        # Trainer's dispatch comes when transformers.trainer is imported, as it would anyway.
+        if not (_registration["names"] or _registration["busy"]):
             register()
     from transformers.training_args import OptimizerNames
 

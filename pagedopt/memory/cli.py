@@ -67,13 +67,14 @@ def format_estimate(e: Estimate, gpu=None, compare: bool = True) -> str:
                   + (f"; largest batch at seq {s['seq']}: {mb or 'none'}" if e.activations is not None else "")]
         if compare:
             lines.append("same run with each optimizer:")
+            name_width = max(len(o) for o in OPTIMIZERS)  # the longest name keeps one space before "states"
             for opt in OPTIMIZERS:
                 other = estimate(e.model, opt, e.weights_dtype, lora_rank=s["lora_rank"], lora_mlp=s["lora_mlp"],
                                  batch=s["batch"], seq=s["seq"], gradient_checkpointing=s["gradient_checkpointing"],
                                  attention=s["attention"], min_8bit_size=s["min_8bit_size"],
                                  embeddings_32bit=s["embeddings_32bit"], act_dtype=s.get("act_dtype"),
                                  context_bytes=e.context)
-                lines.append(f"  {opt:18} states {other.state_bytes / GIB:8.2f} GiB  peak {other.peak / GIB:8.2f} GiB  "
+                lines.append(f"  {opt:{name_width}} states {other.state_bytes / GIB:8.2f} GiB  peak {other.peak / GIB:8.2f} GiB  "
                              + ("fits" if other.peak <= cap else "does not fit")
                              + (f", largest batch {other.max_batch(cap) or 'none'}" if other.activations is not None else ""))
     lines.append("Weights, gradients and optimizer states are exact for the given shapes; activations are an "

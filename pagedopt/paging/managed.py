@@ -12,11 +12,11 @@ Part of :mod:`pagedopt.paging`, which re-exports its public names (those of the 
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Optional, Sequence, Union
 
 import torch
 
+from .. import _callsite
 from .. import _ops  # noqa: F401  (loads pagedopt._C, which registers the ops, and their fakes)
 
 DeviceLike = Union[torch.device, str, int]
@@ -102,8 +102,9 @@ def warn_not_paged(device: DeviceLike, reason: Optional[str] = None, registry: O
     seen.add(key)
     if reason is None:
         reason = paging_unavailable_reason(device) or "paging is not available"
-    warnings.warn(f"paged optimizer states are not paged on {key}: {reason}; they live in ordinary memory",
-                  PagingFallbackWarning, stacklevel=3)
+    # at the user's line (opt.step(), trainer.train()), not at the optimizer's code that made the state
+    _callsite.warn(f"paged optimizer states are not paged on {key}: {reason}; they live in ordinary memory",
+                   PagingFallbackWarning)
     return True
 
 

@@ -8,11 +8,11 @@ beliefs every move updates.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Iterable, Optional
 
 import torch
 
+from .. import _callsite
 from .backends import CudaBackend
 from .ledger import Entry, Ledger, by_device
 from .managed import RESIDENCY_DEVICE, RESIDENCY_HOST, DeviceLike, PagingFallbackWarning, as_device
@@ -135,8 +135,8 @@ class Migration:
     def _warn_no_host_copy(self, why: str) -> None:
         if "host_copies" not in self._warned:
             self._warned.add("host_copies")
-            warnings.warn(f"paged-out states go through the driver's migration instead of a host copy: {why}",
-                          PagingFallbackWarning, stacklevel=4)
+            _callsite.warn(f"paged-out states go through the driver's migration instead of a host copy: {why}",
+                           PagingFallbackWarning)
 
     def _copy_out(self, anchor: torch.Tensor, storage_key: int, start: int, nbytes: int) -> bool:
         """Copy bytes [start, start + nbytes) of the storage into its host copy, then discard them.

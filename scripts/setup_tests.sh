@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# What only the tests need (`make test`, after scripts/setup.sh), into the environment of $PYTHON;
+# what it installs is printed. Idempotent: installs only what is missing.
+#
+#   * pytest, hypothesis, matplotlib (the benchmarks' plots, smoke-tested on the CPU);
+#   * transformers 5.25.0 and accelerate 1.16.0, for tests/test_transformers_trainer.py (which
+#     skips without them). transformers 5.x pins `kernels`, which our package index does not serve
+#     and the Trainer does not need: it is installed with --no-deps, after its other requirements
+#     (its metadata's list, less kernels: huggingface-hub, tokenizers, safetensors, ...).
+#     PAGEDOPT_TEST_TRANSFORMERS=0 skips this (and the transformers 4.57 run).
+#
+# scripts/test_transformers457.sh then makes .venv-transformers457/ in the repository (a venv
+# over these packages with transformers 4.57 in it) for the same tests on transformers 4.57.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+say() { echo "pagedopt test set-up: $*"; }
+SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+
+MISSING=$("$PY" scripts/missing_packages.py pytest hypothesis matplotlib)
+if [ -n "$MISSING" ]; then
+  say "installing $MISSING into $SITE"
+  "$PY" -m pip install -q $MISSING
+fi
+if [ "${PAGEDOPT_TEST_TRANSFORMERS:-1}" != 0 ]; then
+  TRANSFORMERS_VERSION=${TRANSFORMERS_VERSION:-5.25.0}
+  ACCELERATE_VERSION=${ACCELERATE_VERSION:-1.16.0}
+  MISSING=$("$PY" scripts/missing_packages.py "transformers==$TRANSFORMERS_VERSION" "accelerate==$ACCELERATE_VERSION")
+  if [ -n "$MISSING" ]; then
+    say "installing transformers==$TRANSFORMERS_VERSION (without its pin of kernels), its requirements and accelerate==$ACCELERATE_VERSION into $SITE"
+    "$PY" -m pip install -q "huggingface-hub>=2.4,<3" numpy packaging pyyaml "regex>=2025.10.22" \
+      "tokenizers>=0.23.1,<0.24" typer "safetensors>=0.8" tqdm
+    "$PY" -m pip install -q --no-deps "transformers==$TRANSFORMERS_VERSION"
+    "$PY" -m pip install -q "accelerate==$ACCELERATE_VERSION"
+  fi
+fi
