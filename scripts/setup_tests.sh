@@ -8,6 +8,10 @@
 #     and the Trainer does not need: it is installed with --no-deps, after its other requirements
 #     (its metadata's list, less kernels: huggingface-hub, tokenizers, safetensors, ...).
 #     PAGEDOPT_TEST_TRANSFORMERS=0 skips this (and the transformers 4.57 run).
+#   * deepspeed 0.19.8, for tests/test_deepspeed.py (which skips without it). PyPI has only its
+#     source; it builds (about 20 s, its C++ ops are compiled only when used) against the torch
+#     installed here (--no-build-isolation), with --no-deps after its requirements less torch, so
+#     that torch stays as it is. PAGEDOPT_TEST_DEEPSPEED=0 skips this.
 #
 # scripts/test_transformers457.sh then makes .venv-transformers457/ in the repository (a venv
 # over these packages with transformers 4.57 in it) for the same tests on transformers 4.57.
@@ -32,5 +36,14 @@ if [ "${PAGEDOPT_TEST_TRANSFORMERS:-1}" != 0 ]; then
       "tokenizers>=0.23.1,<0.24" typer "safetensors>=0.8" tqdm
     "$PY" -m pip install -q --no-deps "transformers==$TRANSFORMERS_VERSION"
     "$PY" -m pip install -q "accelerate==$ACCELERATE_VERSION"
+  fi
+fi
+if [ "${PAGEDOPT_TEST_DEEPSPEED:-1}" != 0 ]; then
+  DEEPSPEED_VERSION=${DEEPSPEED_VERSION:-0.19.8}
+  MISSING=$("$PY" scripts/missing_packages.py "deepspeed==$DEEPSPEED_VERSION")
+  if [ -n "$MISSING" ]; then
+    say "installing deepspeed==$DEEPSPEED_VERSION (built against the installed torch, without changing it) and its requirements into $SITE"
+    "$PY" -m pip install -q einops hjson msgpack ninja numpy packaging psutil py-cpuinfo "pydantic>=2" tqdm
+    "$PY" -m pip install -q --no-build-isolation --no-deps "deepspeed==$DEEPSPEED_VERSION"
   fi
 fi

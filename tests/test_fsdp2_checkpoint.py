@@ -263,3 +263,35 @@ def _refusals_at_one(rank, world, device, ckpt_dir):
 def test_dcp_refusals_gloo(tmp_path):
     _launch(_refusals_at_two, 2, "gloo", str(tmp_path))
     _launch(_refusals_at_one, 1, "gloo", str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------- README snippet
+def _readme_scenario(rank, world, device, ckpt_dir):
+    """The README's "FSDP2 and distributed checkpoints" snippet as written: the first part builds,
+    (trains,) and saves; its resume part, run after the same set-up in a new run, restores it."""
+    from readme_snippets import section_snippets
+    from test_fsdp2 import _Layers
+
+    block, = section_snippets("FSDP2 and distributed checkpoints")
+    first, resume = block.split("# resume", 1)
+    set_up = first.split("# ... train ...")[0]
+    ns = {"model": _Layers().to(device), "path": os.path.join(ckpt_dir, "readme")}
+    exec(set_up, ns)
+    _fsdp_steps(ns["model"], ns["opt"], 0, 2, 64, 64, device)
+    exec(first.split("# ... train ...")[1], ns)  # save
+    dist.barrier()
+    torch.manual_seed(70)
+    ns2 = {"model": _Layers().to(device), "path": ns["path"]}
+    exec(set_up, ns2)
+    with torch.no_grad():
+        for p in ns2["model"].parameters():
+            p.add_(1.0)  # other weights than the saved ones
+    exec("# resume" + resume, ns2)
+    for i, (a, b) in enumerate(zip(_snapshot(ns["model"], ns["opt"]), _snapshot(ns2["model"], ns2["opt"]))):
+        assert torch.equal(a, b), f"README snippet: tensor {i} not restored"
+    weights = [layer.weight for layer in ns2["model"].layers]  # 8192 elements each: 8-bit states
+    assert all(ns2["opt"].state[w]["state1"].dtype == torch.uint8 for w in weights)
+
+
+def test_readme_fsdp2_dcp_snippet_gloo(tmp_path):
+    _launch(_readme_scenario, 2, "gloo", str(tmp_path))
