@@ -2,7 +2,8 @@
 # What only the tests need (`make test`, after scripts/setup.sh), into the environment of $PYTHON;
 # what it installs is printed. Idempotent: installs only what is missing.
 #
-#   * pytest, hypothesis, matplotlib (the benchmarks' plots, smoke-tested on the CPU);
+#   * pytest, pytest-xdist (the suite runs on one worker per core), hypothesis, matplotlib (the
+#     benchmarks' plots, smoke-tested on the CPU);
 #   * transformers 5.25.0 and accelerate 1.16.0, for tests/test_transformers_trainer.py (which
 #     skips without them). transformers 5.x pins `kernels`, which our package index does not serve
 #     and the Trainer does not need: it is installed with --no-deps, after its other requirements
@@ -21,7 +22,7 @@ PY=${PYTHON:-python3}
 say() { echo "pagedopt test set-up: $*"; }
 SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 
-MISSING=$("$PY" scripts/missing_packages.py pytest hypothesis matplotlib)
+MISSING=$("$PY" scripts/missing_packages.py pytest pytest-xdist hypothesis matplotlib)
 if [ -n "$MISSING" ]; then
   say "installing $MISSING into $SITE"
   "$PY" -m pip install -q $MISSING
