@@ -186,8 +186,7 @@ def run_config(row: R.Row, shape: M.Shape, dtype: str, device: torch.device, set
         rec.update(status="refused", phase=phase, reason=str(exc))
     except Exception as exc:  # noqa: BLE001 - recorded, with the phase it happened in
         rec.update(status="oom" if is_oom(exc) else "error", phase=phase, step=k, error=C.short_error(exc))
-    if cuda:
-        torch.cuda.synchronize(device)
+    if cuda and C.cuda_context_ok(device):  # an illegal access (say) leaves no figures to read
         if "max_allocated_first" not in rec:  # it never reached a second step
             rec["max_allocated_first"] = torch.cuda.max_memory_allocated(device)
             rec["max_reserved_first"] = torch.cuda.max_memory_reserved(device)
@@ -325,6 +324,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     try:
         args.device_buffer_bytes = parse_size(args.device_buffer, "--device-buffer")
+        R.budget_bytes(1, args.budget)  # a bad --budget is refused here, not in the middle of the grid
         limits = {"managed": parse_size(args.managed_limit, "--managed-limit"),
                   "pinned": parse_size(args.pinned_limit, "--pinned-limit"), "host_available": host_available()}
         configs = parse_configs(args.shapes, args.dtypes if not args.smoke or args.dtypes != "bf16,fp32" else "fp32",

@@ -230,6 +230,10 @@ def test_rows_that_cannot_run_here_say_why():
     assert R.budget_bytes(1000, "0.25") == 250 and R.budget_bytes(1000, "4KiB") == 4096
     with pytest.raises(ValueError):
         R.budget_bytes(1000, "1.5")
+    for bad in (["--budget", "1.5"], ["--budget", "lots"], ["--shapes", "9b"], ["--rows", "nope"], ["--steps", "0"],
+                ["--assume-link", "1,2"]):
+        with pytest.raises(SystemExit):
+            S.main(["--smoke", *bad])
 
 
 def test_parse_configs():
