@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -360,7 +361,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def run_parent(args, names, configs, device, limits, rates) -> int:
-    import json
     out_dir = args.out or os.path.join(os.getcwd(), "scale_out")
     os.makedirs(out_dir, exist_ok=True)
     t_start = time.perf_counter()
@@ -372,7 +372,7 @@ def run_parent(args, names, configs, device, limits, rates) -> int:
     child_argv += ["--inject-oom", args.inject_oom] if args.inject_oom else []
     children = tempfile.mkdtemp(prefix="scale_children_")  # the children's records, gathered into scale.json
     rows = [R.BY_NAME[n] for n in names]
-    records, stopped = [], {}
+    records = []
     gone = {r.name: R.unavailable(r, device) for r in rows}
     for r in rows:
         if gone[r.name]:
@@ -381,6 +381,48 @@ def run_parent(args, names, configs, device, limits, rates) -> int:
            "settings": {"steps": args.steps, "batch": args.batch, "seq": args.seq,
                         "checkpointing": not args.no_checkpointing, "budget": args.budget,
                         "device_buffer": args.device_buffer_bytes, "limits": limits}, "records": records}
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # `timeout` ends the grid: the tables are still written
+    try:
+        run_grid(args, configs, rows, gone, limits, child_argv, children, out_dir, doc, t_start)
+    except Interrupted as exc:
+        doc["interrupted"] = str(exc)
+        print(f"[scale] interrupted ({exc}): writing what was measured", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    shutil.rmtree(children, ignore_errors=True)
+    if link is not None:
+        if "interrupted" not in doc:
+            link["after"] = measure_link(device)
+            link["after"].pop("env", None)
+        rates = report.rates_from(link)
+    doc["rates"] = rates
+    # the parent should hold no CUDA context (its GPU memory would be missing from the children's)
+    doc["parent_cuda_initialized"] = torch.cuda.is_initialized()
+    for rec in doc["records"]:
+        report.add_figures(rec, rates)
+    C.write_json(os.path.join(out_dir, "scale.json"), doc)
+    text = report.markdown(doc)
+    with open(os.path.join(out_dir, "scale.md"), "w") as f:
+        f.write(text)
+    print(text)
+    png = report.plot(doc["records"], os.path.join(out_dir, "scale.png"))
+    if png:
+        print(f"chart: {png}")
+    return 0
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(f"signal {signum}")
+
+
+def run_grid(args, configs, rows, gone, limits, child_argv, children, out_dir, doc, t_start) -> None:
+    """Every configuration upward, a row stopping at its first failure; records into doc."""
+    import json
+    records, stopped = doc["records"], {}
     for shape_name, dtype in configs:
         shape = M.SHAPES[shape_name]
         for r in rows:
@@ -408,25 +450,6 @@ def run_parent(args, names, configs, device, limits, rates) -> int:
             if rec["status"] not in ("not_run",):
                 print("   ", report.one_line(rec), flush=True)
             C.write_json(os.path.join(out_dir, "scale.json"), doc)  # a killed run leaves what it had
-    shutil.rmtree(children, ignore_errors=True)
-    if link is not None:
-        link["after"] = measure_link(device)
-        link["after"].pop("env", None)
-        rates = report.rates_from(link)
-    doc["rates"] = rates
-    # the parent should hold no CUDA context (its GPU memory would be missing from the children's)
-    doc["parent_cuda_initialized"] = torch.cuda.is_initialized()
-    for rec in records:
-        report.add_figures(rec, rates)
-    C.write_json(os.path.join(out_dir, "scale.json"), doc)
-    text = report.markdown(doc)
-    with open(os.path.join(out_dir, "scale.md"), "w") as f:
-        f.write(text)
-    print(text)
-    png = report.plot(records, os.path.join(out_dir, "scale.png"))
-    if png:
-        print(f"chart: {png}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -145,18 +145,18 @@ def demands(row: Row, e, settings: dict) -> dict:
     """What the row asks of the machine for the estimate ``e`` (pagedopt.memory.Estimate of the
     shape with this row's optimizer, or of an 8-bit one where the row is not modelled): managed
     bytes, page-locked host bytes, pageable host bytes, and the bytes over the link each way."""
-    from pagedopt.memory.modes import HOST_SLAB_BYTES
+    from pagedopt.memory.modes import HOST_SLAB_BYTES, streamed_bytes
 
-    states = e.state_bytes
+    states, moved = e.state_bytes, streamed_bytes(e)  # host residency leaves the step counters on the GPU
     budget = settings.get("budget_bytes") or 0
-    pinned = {"none": 0, "states": states + HOST_SLAB_BYTES, "beyond_budget": max(states - budget, 0),
+    pinned = {"none": 0, "states": moved + HOST_SLAB_BYTES, "beyond_budget": max(states - budget, 0),
               "params_and_grads": e.weights + e.gradients}[row.pinned]
     # torchao's CPUOffloadOptimizer runs torch's AdamW on the host: two moments like the params
     pageable = 2 * e.weights if row.pinned == "params_and_grads" else 0
     if row.link == "params_and_grads":
         link = (e.weights, e.gradients)  # params come back, gradients go out
     elif row.pinned == "states":
-        link = (states, states)
+        link = (moved, moved)
     elif row.pinned == "beyond_budget":
         link = (pinned, pinned)
     else:

@@ -7,7 +7,7 @@
 #   run(command="SCALE_ROWS=... SCALE_SHAPES=1b,3b,7b SCALE_DTYPES=bf16 bash scripts/device_scale.sh")
 #   run(command="bash scripts/device_scale.sh", carry=[".whl"])                      # with the peers' wheels
 #
-# The default quick grid (about 8 minutes on an H100, the build included): 7B-shaped fp32 and
+# The default quick grid (meant to fit 8 minutes on an H100, the build included; not yet timed): 7B-shaped fp32 and
 # 13B-shaped bf16 parameters, for pagedopt's resident AdamW8bit, host residency with and without
 # updates during backward, and torch's fused AdamW. Knobs (env):
 #   SCALE_ROWS     comma-separated rows of bench/scale_rows.py (python3 bench/scale.py --help lists them)
@@ -18,6 +18,7 @@
 #   SCALE_ARGS     more bench/scale.py arguments (e.g. "--budget 4GiB --no-stop")
 #   SCALE_S        the bench's time cap in seconds (default 600 - the build - 20 s); no configuration
 #                  starts in its last 60 s (--time-budget), so the tables are always written
+#   SCALE_CHILD_S  one configuration's cap in seconds (default 180)
 #   BUILD_S        the build's cap (default 330)
 # .devbuild/_C.*.so (carried): an extension built for the device's python3 and torch, used if it imports.
 # .whl/*.whl (carried): bitsandbytes and torchao for their rows, installed into /tmp/site.
@@ -45,7 +46,7 @@ fi
 LEFT=$(( ${SCALE_S:-$(( 600 - (SECONDS - T0) - 20 ))} ))
 if [ "$LEFT" -lt 90 ]; then log "only ${LEFT} s left after the build: not running the grid"; exit 1; fi
 log "scale: ${LEFT} s"
-timeout "$LEFT" python3 bench/scale.py --out "$OUT" --time-budget $(( LEFT - 60 )) --timeout $(( LEFT - 60 )) \
+timeout "$LEFT" python3 bench/scale.py --out "$OUT" --time-budget $(( LEFT - 60 )) --timeout "${SCALE_CHILD_S:-180}" \
   --rows "${SCALE_ROWS:-pagedopt_adamw8bit,pagedopt_paged_adamw8bit_host,pagedopt_paged_adamw8bit_host_bwd,torch_adamw_fused}" \
   --shapes "${SCALE_SHAPES:-7b:fp32,13b:bf16}" --dtypes "${SCALE_DTYPES:-bf16,fp32}" --steps "${SCALE_STEPS:-5}" \
   ${SCALE_ARGS:-} 2>&1 | tee "$OUT/scale.log" | grep -v -e "Warning" -e "warnings.warn"

@@ -195,7 +195,10 @@ def test_device_safety_refusals():
     assert "managed" in refused
     # host residency pins the states: 30B's ~56 GiB is allowed, not under a 40 GiB limit
     host = R.BY_NAME["pagedopt_paged_adamw8bit_host"]
-    assert S.plan_config(host, M.SHAPES["30b"], "bf16", args, limits)[1] is None
+    settings, refused = S.plan_config(host, M.SHAPES["30b"], "bf16", args, limits)
+    need = settings["need"]
+    assert refused is None and need["link_h2d"] == need["link_d2h"] == settings["prediction"]["link_h2d"]
+    assert need["pinned"] == need["link_h2d"] + (64 << 20) < 100 * gib  # the moments and one slab
     _, refused = S.plan_config(host, M.SHAPES["30b"], "bf16", args, dict(limits, pinned=40 * gib))
     assert "page-locked" in refused
     _, refused = S.plan_config(host, M.SHAPES["7b"], "bf16", args, dict(limits, host_available=4 * gib))
@@ -206,6 +209,21 @@ def test_device_safety_refusals():
     assert settings["budget_bytes"] == states // 2
     assert settings["need"]["pinned"] == settings["need"]["link_h2d"] == states - states // 2
     assert settings["prediction"]["states_on_gpu"] == states // 2
+
+def test_an_interrupted_grid_still_writes_its_tables(tmp_path, monkeypatch):
+    """`timeout` (SIGTERM) during a configuration: what was measured is kept, the tables written."""
+    fake = _FakeChildren()
+
+    def child(*a):
+        if len(fake.started) == 1:
+            S._interrupt(15, None)
+        return fake(*a)
+    monkeypatch.setattr(S, "run_child", child)
+    _run(["--smoke", "--rows", "pagedopt_adamw8bit", "--shapes", "tiny,tiny2,tiny3", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "scale.json").read_text())
+    assert doc["interrupted"] == "signal 15" and [r["shape"] for r in doc["records"]] == ["tiny"]
+    assert "| pagedopt_adamw8bit | fp32 | tiny |" in (tmp_path / "scale.md").read_text()
+
 
 def test_refused_configs_start_no_process(tmp_path, monkeypatch):
     """A refused configuration is recorded and stops its row without starting a process."""
