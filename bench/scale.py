@@ -81,7 +81,7 @@ def managed_on_gpu(row: R.Row, opt, settings: dict) -> int:
     """Managed bytes of states the GPU will hold once they are made; raises Refused where they may
     exceed the managed limit ('auto' is checked here, once its pager is known)."""
     states, limit = settings["states_bytes"], settings["managed_limit"]
-    if row.name.endswith("_auto"):
+    if "_auto" in row.name:
         from pagedopt.paging import HostResidentPager
         if isinstance(getattr(opt, "pager", None), HostResidentPager):
             return 0
@@ -91,7 +91,7 @@ def managed_on_gpu(row: R.Row, opt, settings: dict) -> int:
         return states
     if not row.managed:
         return 0
-    return min(states, settings["budget_bytes"]) if row.pinned == "beyond_budget" else states
+    return min(states, settings["budget_bytes"]) if row.pinned == "managed_beyond_budget" else states
 
 
 def check_free(device, managed: int) -> None:
@@ -181,8 +181,8 @@ def run_config(row: R.Row, shape: M.Shape, dtype: str, device: torch.device, set
             rec["link_all"] = link
         if stats is not None:
             rec["paging_stats"] = {k2: v for k2, v in stats.as_dict().items() if not isinstance(v, dict)}
-        if row.name.endswith("_auto"):
-            rec["auto_pager"] = type(getattr(opt, "pager", None)).__name__
+        if "_auto" in row.name and stats is not None:  # what 'auto' kept on the GPU
+            rec["auto_resident_bytes"] = stats.resident_bytes
     except Refused as exc:
         rec.update(status="refused", phase=phase, reason=str(exc))
     except Exception as exc:  # noqa: BLE001 - recorded, with the phase it happened in
@@ -276,15 +276,17 @@ def plan_config(row: R.Row, shape: M.Shape, dtype: str, args, limits: dict) -> t
     must not run (device safety), or None."""
     ckpt, autocast = not args.no_checkpointing, getattr(args, "autocast", True)
     e8 = M.estimate(shape, "paged_adamw_8bit", dtype, args.batch, args.seq, ckpt, autocast)
-    settings = {"states_bytes": e8.state_bytes, "budget_bytes": R.budget_bytes(e8.state_bytes, args.budget)}
+    from pagedopt.memory import predict_modes, streamed_bytes
+    settings = {"states_bytes": e8.state_bytes, "budget_bytes": R.budget_bytes(streamed_bytes(e8), args.budget)}
     need = R.demands(row, e8, settings)
     pred = None
     if row.estimator is not None:
-        from pagedopt.memory import predict_modes
         opt_name, mode = row.estimator
         e = e8 if opt_name == "paged_adamw_8bit" else M.estimate(shape, opt_name, dtype, args.batch, args.seq, ckpt,
                                                                    autocast)
-        pred = next(p for p in predict_modes(e, args.device_buffer_bytes, settings["budget_bytes"]) if p.mode == mode)
+        preds = predict_modes(e, args.device_buffer_bytes, settings["budget_bytes"],
+                              capacity=getattr(args, "device_total", None))  # 'auto' needs the GPU's size
+        pred = next((p for p in preds if p.mode == mode), None)
     settings.update(need=need, prediction=None if pred is None else pred.as_dict())
     return settings, R.refusal(row, need, limits)
 
@@ -366,6 +368,7 @@ def run_parent(args, names, configs, device, limits, rates) -> int:
     t_start = time.perf_counter()
     link = {"before": measure_link(device)} if device.type == "cuda" else None
     env = link["before"].pop("env", None) if link else C.env_info(device)  # CUDA's: from the child
+    args.device_total = (env or {}).get("device_memory_bytes")  # what residency='auto' is predicted on
     child_argv = ["--device", str(device), "--steps", str(args.steps), "--batch", str(args.batch), "--seq",
                   str(args.seq), "--device-buffer", args.device_buffer, "--managed-limit", args.managed_limit]
     child_argv += ["--no-checkpointing"] if args.no_checkpointing else []

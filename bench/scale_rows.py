@@ -24,7 +24,9 @@ class Row:
     make: Callable            # (params, device, settings: dict) -> optimizer
     estimator: Optional[tuple]  # (pagedopt.memory optimizer name, mode) or None where not modelled
     managed: bool = False     # its states live in CUDA managed memory (at most 16 GiB on the device)
-    pinned: str = "none"      # page-locked host memory: "none" | "states" | "beyond_budget" | "params_and_grads"
+    # page-locked host memory: "none" | "states" (host residency, 'auto' at worst) | "beyond_budget" (hybrid) |
+    # "managed_beyond_budget" (host copies of a managed-memory budget's states) | "params_and_grads"
+    pinned: str = "none"
     link: str = "none"        # bytes over the host link: "none" | "pager" (its paging_stats) | "params_and_grads"
     package: Optional[str] = None
     cuda_only: bool = False
@@ -39,7 +41,9 @@ def _pagedopt(cls: str, **pager):
             kw = dict(pager)
             if kw.get("device_budget") == "setting":
                 kw["device_budget"] = settings["budget_bytes"]
-            if kw.get("residency") == "host":
+            if kw.pop("managed_budget", False):  # managed memory under a budget: a PageManager of its own
+                kw["pager"] = pagedopt.PageManager(settings["budget_bytes"])
+            if kw.get("residency") in ("host", "auto") or "device_budget" in kw:
                 kw["device_buffer"] = settings["device_buffer"]
             opt.set_pager(**kw)
         return opt
@@ -91,13 +95,19 @@ ROWS = [
         (P8, "host_released"), pinned="states", link="pager",
         note="residency='host', update_in_backward=True (gradients released)"),
     Row("pagedopt_paged_adamw8bit_budget", _pagedopt("PagedAdamW8bit", device_budget="setting"), (P8, "budget"),
-        managed=True, pinned="beyond_budget", link="pager", note="device_budget (--budget)"),
-    Row("pagedopt_paged_adamw8bit_auto", _pagedopt("PagedAdamW8bit", residency="auto"), None, pinned="states",
-        link="pager", note="residency='auto'"),
+        pinned="beyond_budget", link="pager", note="device_budget (--budget): hybrid, the rest streamed"),
+    Row("pagedopt_paged_adamw8bit_budget_bwd", _pagedopt("PagedAdamW8bit", device_budget="setting",
+                                                         update_in_backward=True), (P8, "budget_released"),
+        pinned="beyond_budget", link="pager", note="device_budget (--budget), update_in_backward=True"),
+    Row("pagedopt_paged_adamw8bit_auto", _pagedopt("PagedAdamW8bit", residency="auto"), (P8, "auto"),
+        pinned="states", link="pager", note="residency='auto': what fits stays, the rest streamed"),
+    Row("pagedopt_paged_adamw8bit_auto_bwd", _pagedopt("PagedAdamW8bit", residency="auto", update_in_backward=True),
+        (P8, "auto_released"), pinned="states", link="pager", note="residency='auto', update_in_backward=True"),
+    Row("pagedopt_paged_adamw8bit_managed_budget", _pagedopt("PagedAdamW8bit", managed_budget=True),
+        (P8, "managed_budget"), managed=True, pinned="managed_beyond_budget", link="pager",
+        note="PageManager(budget_bytes=--budget): managed memory, paged in and out around each step"),
 ]
 BY_NAME = {r.name: r for r in ROWS}
-QUICK_ROWS = ("pagedopt_adamw8bit", "pagedopt_paged_adamw8bit_host", "pagedopt_paged_adamw8bit_host_bwd",
-              "torch_adamw_fused")
 SMOKE_ROWS = ("pagedopt_paged_adamw8bit_host", "torch_adamw_fused")
 
 
@@ -123,7 +133,7 @@ def unavailable(row: Row, device: torch.device) -> Optional[str]:
         return "needs CUDA"
     if row.package and importlib.util.find_spec(row.package) is None:
         return f"{row.package} is not installed"
-    if row.name.endswith("_auto"):
+    if "_auto" in row.name:
         return auto_support()
     return None
 
@@ -149,8 +159,9 @@ def demands(row: Row, e, settings: dict) -> dict:
 
     states, moved = e.state_bytes, streamed_bytes(e)  # host residency leaves the step counters on the GPU
     budget = settings.get("budget_bytes") or 0
-    pinned = {"none": 0, "states": moved + HOST_SLAB_BYTES, "beyond_budget": max(states - budget, 0),
-              "params_and_grads": e.weights + e.gradients}[row.pinned]
+    rest = max(moved - budget, 0)
+    pinned = {"none": 0, "states": moved + HOST_SLAB_BYTES, "beyond_budget": rest + HOST_SLAB_BYTES if rest else 0,
+              "managed_beyond_budget": max(states - budget, 0), "params_and_grads": e.weights + e.gradients}[row.pinned]
     # torchao's CPUOffloadOptimizer runs torch's AdamW on the host: two moments like the params
     pageable = 2 * e.weights if row.pinned == "params_and_grads" else 0
     if row.link == "params_and_grads":
@@ -158,6 +169,8 @@ def demands(row: Row, e, settings: dict) -> dict:
     elif row.pinned == "states":
         link = (moved, moved)
     elif row.pinned == "beyond_budget":
+        link = (rest, rest)
+    elif row.pinned == "managed_beyond_budget":
         link = (pinned, pinned)
     else:
         link = (0, 0)

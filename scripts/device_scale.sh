@@ -9,7 +9,8 @@
 #
 # The default quick grid (meant to fit 8 minutes on an H100, the build included; not yet timed): 7B-shaped fp32 and
 # 13B-shaped bf16 parameters, for pagedopt's resident AdamW8bit, host residency with and without
-# updates during backward, and torch's fused AdamW. Knobs (env):
+# updates during backward, residency='auto' with updates during backward, and torch's fused AdamW.
+# Knobs (env):
 #   SCALE_ROWS     comma-separated rows of bench/scale_rows.py (python3 bench/scale.py --help lists them)
 #   SCALE_SHAPES   shapes upward, NAME or NAME:DTYPE (default 7b:fp32,13b:bf16; the whole ladder:
 #                  1b,3b,7b,10b,13b,20b,30b with SCALE_DTYPES)
@@ -47,7 +48,7 @@ LEFT=$(( ${SCALE_S:-$(( 600 - (SECONDS - T0) - 20 ))} ))
 if [ "$LEFT" -lt 90 ]; then log "only ${LEFT} s left after the build: not running the grid"; exit 1; fi
 log "scale: ${LEFT} s"
 timeout "$LEFT" python3 bench/scale.py --out "$OUT" --time-budget $(( LEFT - 60 )) --timeout "${SCALE_CHILD_S:-180}" \
-  --rows "${SCALE_ROWS:-pagedopt_adamw8bit,pagedopt_paged_adamw8bit_host,pagedopt_paged_adamw8bit_host_bwd,torch_adamw_fused}" \
+  --rows "${SCALE_ROWS:-pagedopt_adamw8bit,pagedopt_paged_adamw8bit_host,pagedopt_paged_adamw8bit_host_bwd,pagedopt_paged_adamw8bit_auto_bwd,torch_adamw_fused}" \
   --shapes "${SCALE_SHAPES:-7b:fp32,13b:bf16}" --dtypes "${SCALE_DTYPES:-bf16,fp32}" --steps "${SCALE_STEPS:-5}" \
   ${SCALE_ARGS:-} 2>&1 | tee "$OUT/scale.log" | grep -v -e "Warning" -e "warnings.warn"
 log "scale rc=${PIPESTATUS[0]}"

@@ -27,8 +27,8 @@ from .estimator import (ATTENTION_TARGETS, BLOCK, CUDA_CONTEXT_BYTES, MLP_TARGET
                         Estimate, activation_bytes, estimate, gpu_capacity, lora_tensors, normalize_optimizer,
                         state_bytes_of_tensor, weight_cast_bytes)
 from .measure import log_memory, memory_report, report_gib
-from .modes import (DEFAULT_MARGIN, MODES, ModePrediction, Recommendation, largest_budget, parse_size, predict_modes,
-                    recommend, released_gradients)
+from .modes import (DEFAULT_MARGIN, MODES, ModePrediction, Recommendation, auto_resident, largest_budget, parse_size,
+                    predict_modes, recommend, released_gradients, streamed_bytes)
 from .model import (Arch, Model, Tensor, load_config, model_from_config, model_from_params, tensors_from_formula,
                     tensors_from_module, tensors_from_transformers)
 from .tables import ALIASES, DTYPE_BYTES, EXTRA_STATE_BYTES, GIB, GPUS, OPTIMIZERS, PRESETS
@@ -40,5 +40,5 @@ __all__ = [
     "lora_tensors", "main", "memory_report", "model_from_config", "model_from_params", "normalize_optimizer",
     "report_gib", "state_bytes_of_tensor", "tensors_from_formula", "tensors_from_module", "tensors_from_transformers",
     "DEFAULT_MARGIN", "MODES", "ModePrediction", "Recommendation", "largest_budget", "parse_size", "predict_modes",
-    "recommend", "released_gradients", "weight_cast_bytes",
+    "recommend", "released_gradients", "weight_cast_bytes", "auto_resident", "streamed_bytes",
 ]

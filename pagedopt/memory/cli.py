@@ -92,7 +92,7 @@ def format_modes(e: Estimate, gpu=None, margin: float = DEFAULT_MARGIN, budget=N
     cap = None if gpu is None else int(gpu_capacity(gpu)[1] * GIB)
     if budget is None and cap is not None:
         budget = largest_budget(e, cap, margin) or None
-    preds = predict_modes(e, device_buffer, budget)
+    preds = predict_modes(e, device_buffer, budget, capacity=cap)
     width = max(len(p.mode) for p in preds)
     lines = ["", "each mode (GiB; peak: what the GPU holds, first step included; torch: torch.cuda.max_memory_allocated"
              " after the first step; link: bytes each way per step):",
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
         if a.modes:
             if budget is None and cap is not None:
                 budget = largest_budget(e, cap, a.margin) or None
-            out["modes"] = [m.as_dict() for m in predict_modes(e, buffer, budget)]
+            out["modes"] = [m.as_dict() for m in predict_modes(e, buffer, budget, capacity=cap)]
             if cap is not None:
                 r = recommend(e, cap, a.margin, not a.no_release, buffer)
                 out["recommendation"] = {"mode": r.mode, "how": r.how, "reason": r.reason,

@@ -3,18 +3,28 @@ optimizer (:func:`predict_modes`) and the mode to pick for a GPU (:func:`recomme
 
 The modes (each a line of code on a paged class, ``PagedAdamW8bit`` for ``adamw_8bit``):
 
-=================== ============================================================================
-``resident``        states on the GPU (``AdamW8bit``, or ``PagedAdamW8bit`` left resident: then
-                    they sit in managed memory, which ``torch.cuda.max_memory_allocated`` does not see)
-``resident_released`` the same, ``set_pager(update_in_backward=True)``: each gradient is released once
-                    its update ran during backward
-``budget``          ``set_pager(device_budget=B)``: at most B bytes of states on the GPU (managed
-                    memory), the rest staged in and out around each step
-``host``            ``set_pager(residency="host")``: states in page-locked host memory, streamed
-                    through a device buffer (256 MiB) in ``step()``
-``host_released``   ``set_pager(residency="host", update_in_backward=True)``: streamed during
-                    backward, gradients released
-=================== ============================================================================
+===================== ==========================================================================
+``resident``          states on the GPU (``AdamW8bit``, or ``PagedAdamW8bit`` left resident: then
+                      they sit in managed memory, which ``torch.cuda.max_memory_allocated`` does not
+                      see)
+``resident_released`` the same with ``set_pager(update_in_backward=True)``: each gradient is
+                      released once its update ran during backward
+``auto_released``     ``set_pager(residency="auto", update_in_backward=True)``: hybrid, gradients
+                      released (predicted for a given GPU only)
+``auto``              ``set_pager(residency="auto")``: the states that fit in what the GPU has free
+                      after the first backward (less a margin) stay there, the rest stream from
+                      page-locked host memory through the device buffer (:func:`auto_resident`)
+``host_released``     ``set_pager(residency="host", update_in_backward=True)``: every state streamed
+                      during backward, gradients released
+``host``              ``set_pager(residency="host")``: every state in page-locked host memory,
+                      streamed through a device buffer (256 MiB) in ``step()``
+``budget``            ``set_pager(device_budget=B)``: hybrid with B bytes of states on the GPU
+``managed_budget``    ``set_pager(PageManager(budget_bytes=B))``: managed memory, at most B bytes
+                      resident, the rest paged in and out around each step
+===================== ==========================================================================
+
+Hybrid and host modes keep the 4-byte step counters on the GPU and move the rest: every byte not
+kept on the GPU crosses the host link once each way per step.
 
 The peak of a step, with ``zero_grad(set_to_none=True)`` (torch's default), is the largest of
 forward/backward (weights, the gradients held, the states on the GPU, activations) and the
@@ -57,11 +67,20 @@ HOST_SLAB_BYTES = 64 << 20
 # the allocator's fragmentation takes some more
 DEFAULT_MARGIN = 0.10
 
+# pagedopt.paging.resident_set: what residency="auto" leaves free beyond the peak so far
+AUTO_MARGIN_FRACTION = 0.05
+AUTO_MARGIN_MIN = 1 << 30
+
 # fastest first (bench/RESULTS.md, 936M-parameter LM on an H100/H200: resident 1.0x, host with
-# updates during backward 1.08-1.13x, host 1.7x; budget not measured end to end: it moves fewer bytes
-# than host, but around the step, not during backward)
-MODES = ("resident", "resident_released", "host_released", "budget", "host")
-RELEASED = ("resident_released", "host_released")
+# updates during backward 1.08-1.13x, host 1.7x; the hybrid modes move only the states that do not
+# fit, so they come before host). The recommendation picks among RECOMMENDED, the budget at the
+# largest that fits the GPU less the margin (residency="auto" does the same with a 5% margin of its
+# own, so it is shown, not picked; managed_budget pages more and is slower).
+MODES = ("resident", "resident_released", "budget_released", "budget", "host_released", "host", "auto_released",
+         "auto", "managed_budget")
+RECOMMENDED = ("resident", "resident_released", "budget_released", "budget", "host_released", "host")
+RELEASED = ("resident_released", "budget_released", "host_released", "auto_released")
+BUDGETED = ("budget_released", "budget")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -147,10 +166,24 @@ def released_gradients(e: Estimate, chunk_state_bytes: int) -> int:
     return int(min(e.gradients, largest + CHUNKS_IN_FLIGHT * chunk_grads))
 
 
-def predict_modes(e: Estimate, device_buffer=DEVICE_BUFFER_BYTES, budget=None) -> list[ModePrediction]:
-    """The modes open to ``e``'s optimizer, fastest first: only ``resident`` for torch's AdamW;
-    every mode for pagedopt's (the paged ones through its Paged* class). ``budget``: the device
-    budget of the ``budget`` mode (bytes or "4GiB"; default half the states)."""
+def auto_resident(e: Estimate, total: int, device_buffer: int = DEVICE_BUFFER_BYTES) -> int:
+    """The state bytes ``residency="auto"`` keeps on a GPU of ``total`` bytes: its budget is what
+    the GPU has free when the first state is made (the first step, after forward and backward): the
+    total less the context and the peak so far (weights, gradients, activations), less a margin
+    (a twentieth of the GPU, at least 1 GiB) and the device buffer
+    (pagedopt.paging.resident_set.auto_budget); at most every streamable state."""
+    margin = max(int(total * AUTO_MARGIN_FRACTION), AUTO_MARGIN_MIN)
+    peak = e.weights + e.gradients + max((e.activations or 0) + e.weight_casts, e.step_temporaries)
+    budget = total - e.context - peak - margin - device_buffer
+    return max(0, min(budget, streamed_bytes(e)))
+
+
+def predict_modes(e: Estimate, device_buffer=DEVICE_BUFFER_BYTES, budget=None,
+                  capacity: Optional[int] = None) -> list[ModePrediction]:
+    """The modes open to ``e``'s optimizer (MODES' order, fastest first): only ``resident`` for
+    torch's AdamW; every mode for pagedopt's (the paged ones through its Paged* class); ``auto``
+    and ``auto_released`` only for a GPU of ``capacity`` bytes. ``budget``: the device budget of the
+    ``budget`` and ``managed_budget`` modes (bytes or "4GiB"; default half the states)."""
     buf = parse_size(device_buffer, "device_buffer")
     w, g, s, ctx = e.weights, e.gradients, e.state_bytes, e.context
     act, temps = (e.activations or 0) + e.weight_casts, e.step_temporaries
@@ -158,34 +191,52 @@ def predict_modes(e: Estimate, device_buffer=DEVICE_BUFFER_BYTES, budget=None) -
     own = _class(e.optimizer)
     paged = paged_name(e.optimizer)
     is_paged = OPTIMIZERS[e.optimizer][2]
-    out = []
+    out = {}
 
     def add(mode, how, on_gpu_alloc, managed, managed_on_gpu, bufb, grads, pinned, link, note=""):
         first = w + g + on_gpu_alloc + bufb + transient
         steady = w + grads + on_gpu_alloc + bufb + transient
-        out.append(ModePrediction(mode, how, on_gpu_alloc + managed_on_gpu, managed, bufb, grads, steady, first,
-                                  steady + managed_on_gpu + ctx, first + managed_on_gpu + ctx, pinned, link, link, note))
+        out[mode] = ModePrediction(mode, how, on_gpu_alloc + managed_on_gpu, managed, bufb, grads, steady, first,
+                                   steady + managed_on_gpu + ctx, first + managed_on_gpu + ctx, pinned, link, link, note)
 
     # resident: a paged class keeps its states in managed memory (outside torch's allocator)
     alloc_states, managed = (0, s) if is_paged else (s, 0)
     add("resident", own, alloc_states, managed, managed, 0, g, 0, 0)
     if paged is None:
-        return out
-    rel = released_gradients(e, PAGED_CHUNK_BYTES)
+        return list(out.values())
+    released = "no gradient clipping, GradScaler or DDP; the first step holds every gradient"
     add("resident_released", f"{own}; opt.set_pager(update_in_backward=True)", alloc_states, managed,
-        managed, 0, rel, 0, 0, "no gradient clipping, GradScaler or DDP; the first step holds every gradient")
-    host_how = f"{_class(paged)}; opt.set_pager(residency=\"host\""
+        managed, 0, released_gradients(e, PAGED_CHUNK_BYTES), 0, 0, released)
+    paged_how = _class(paged)
     moved = streamed_bytes(e)
-    pinned = moved + HOST_SLAB_BYTES if moved else 0
+    counters = s - moved  # the step counters stay on the GPU whatever the residency
     rel_host = released_gradients(e, max(buf // CHUNKS_PER_BUFFER, 1))
-    add("host_released", host_how + ", update_in_backward=True)", 0, 0, 0, buf, rel_host, pinned, moved,
-        "no gradient clipping, GradScaler or DDP; the first step holds every gradient")
-    bud = s // 2 if budget is None else parse_size(budget, "budget")
-    resident = min(bud, s)
-    add("budget", f"{_class(paged)}; opt.set_pager(device_budget={_size(bud)!r})", 0, s, resident, 0, g,
-        s - resident, s - resident, "states beyond the budget are staged in and out around each step")
-    add("host", host_how + ")", 0, 0, 0, buf, g, pinned, moved)
-    return out
+
+    def hybrid(mode, how, kept, grads, note=""):
+        """``kept`` bytes of states stay on the GPU (ordinary memory), the rest stream from the host."""
+        rest = moved - kept
+        add(mode, how, counters + kept, 0, 0, buf if rest else 0, grads, rest + HOST_SLAB_BYTES if rest else 0, rest,
+            note)
+
+    bud = moved // 2 if budget is None else parse_size(budget, "budget")
+    kept = min(bud, moved)
+    within = "the states within the budget stay on the GPU, the rest stream from the host"
+    hybrid("budget_released", f"{paged_how}; opt.set_pager(device_budget={_size(bud)!r}, update_in_backward=True)",
+           kept, rel_host, f"{within}; {released}")
+    hybrid("budget", f"{paged_how}; opt.set_pager(device_budget={_size(bud)!r})", kept, g, within)
+    hybrid("host_released", f"{paged_how}; opt.set_pager(residency=\"host\", update_in_backward=True)", 0, rel_host,
+           released)
+    hybrid("host", f"{paged_how}; opt.set_pager(residency=\"host\")", 0, g)
+    if capacity is not None:
+        kept = auto_resident(e, capacity, buf)
+        auto_note = f"keeps {kept / GIB:.2f} GiB of states on a GPU of {capacity / GIB:.1f} GiB, a 5% margin"
+        hybrid("auto_released", f"{paged_how}; opt.set_pager(residency=\"auto\", update_in_backward=True)", kept,
+               rel_host, f"{auto_note}; {released}")
+        hybrid("auto", f"{paged_how}; opt.set_pager(residency=\"auto\")", kept, g, auto_note)
+    on_gpu = min(bud, s)
+    add("managed_budget", f"{paged_how}; opt.set_pager(pagedopt.PageManager(budget_bytes={bud}))", 0, s, on_gpu, 0, g,
+        s - on_gpu, s - on_gpu, "managed memory: states beyond the budget are paged in and out around each step")
+    return [out[m] for m in MODES if m in out]
 
 
 def _size(n: int) -> str:
@@ -206,7 +257,7 @@ def largest_budget(e: Estimate, capacity_bytes: int, margin: float = DEFAULT_MAR
     room = int(capacity_bytes * (1.0 - margin)) - zero.worst_peak
     if room <= 0:
         return 0
-    room = min(room, e.state_bytes)
+    room = min(room, streamed_bytes(e))  # all of them: no device buffer then, still fits
     step = GIB if room >= GIB else 256 << 20
     return room // step * step
 
@@ -223,22 +274,25 @@ class Recommendation:
 def recommend(e: Estimate, capacity_bytes: int, margin: float = DEFAULT_MARGIN, release_ok: bool = True,
               device_buffer=DEVICE_BUFFER_BYTES) -> Recommendation:
     """The fastest mode whose peak (first step included) stays under ``capacity_bytes * (1 -
-    margin)``; with ``release_ok=False`` (gradient clipping, GradScaler, DDP or gradient
-    accumulation) the modes that release gradients are left out. The budget mode is taken at the
-    largest budget that fits. When nothing fits and the weights are fp32, says whether bf16
-    parameters would."""
+    margin)``, among RECOMMENDED, the budgeted ones at the largest budget that fits
+    (:func:`largest_budget`); with ``release_ok=False`` (gradient clipping, GradScaler, DDP or
+    gradient accumulation) the modes that release gradients are left out. When nothing fits and the
+    weights are fp32, says whether bf16 parameters would."""
     budget = largest_budget(e, capacity_bytes, margin)
-    preds = predict_modes(e, device_buffer, budget=budget)
-    usable = [p for p in preds if (release_ok or p.mode not in RELEASED) and not (p.mode == "budget" and budget <= 0)]
+    preds = predict_modes(e, device_buffer, budget=budget, capacity=capacity_bytes)
+    usable = [p for p in preds if p.mode in RECOMMENDED and (release_ok or p.mode not in RELEASED)
+              and not (p.mode in BUDGETED and budget <= 0)]  # a budget of 0 is host residency
     fitting = [p for p in usable if p.fits(capacity_bytes, margin)]
     cap = f"{capacity_bytes / GIB:.1f} GiB less a {margin:.0%} margin"
     if fitting:
         best = fitting[0]
-        alts = [p.mode for p in fitting[1:]]
         reason = f"{best.mode}: the fastest mode whose peak ({best.worst_peak / GIB:.1f} GiB) fits {cap}"
-        if best.mode != "resident" and paged_name(e.optimizer):
-            reason += "; set_pager(residency=\"auto\"), where this version has it, chooses at the first step"
-        return Recommendation(best.mode, best.how, reason, best, alts)
+        if best.link_h2d:
+            reason += f"; it moves {best.link_h2d / GIB:.2f} GiB of states each way per step"
+        if best.mode in BUDGETED:
+            reason += ("; residency=\"auto\" chooses the budget itself, from what the GPU has free after the first "
+                       "backward, less 5%")
+        return Recommendation(best.mode, best.how, reason, best, [p.mode for p in fitting[1:]])
     smallest = min(usable, key=lambda p: p.worst_peak)
     reason = f"nothing fits {cap}: the smallest peak is {smallest.mode}'s, {smallest.worst_peak / GIB:.1f} GiB"
     if paged_name(e.optimizer) is None:
@@ -264,6 +318,7 @@ def with_weights(e: Estimate, weights: str) -> Estimate:
                     **_estimate_kwargs(e))
 
 
-__all__ = ["CHUNKS_IN_FLIGHT", "CHUNKS_PER_BUFFER", "DEFAULT_MARGIN", "DEVICE_BUFFER_BYTES", "HOST_SLAB_BYTES",
-           "MODES", "ModePrediction", "Recommendation", "largest_budget", "paged_name", "parse_size",
-           "predict_modes", "recommend", "released_gradients", "streamed_bytes", "with_weights"]
+__all__ = ["AUTO_MARGIN_FRACTION", "AUTO_MARGIN_MIN", "BUDGETED", "CHUNKS_IN_FLIGHT", "CHUNKS_PER_BUFFER",
+           "DEFAULT_MARGIN", "DEVICE_BUFFER_BYTES", "HOST_SLAB_BYTES", "MODES", "ModePrediction", "RECOMMENDED",
+           "RELEASED", "Recommendation", "auto_resident", "largest_budget", "paged_name", "parse_size", "predict_modes",
+           "recommend", "released_gradients", "streamed_bytes", "with_weights"]
