@@ -3,7 +3,8 @@ time, its peak memory beside pagedopt.memory's prediction, and the host link's f
 
 For each row (bench/scale_rows.py: torch's fused AdamW, bitsandbytes' and torchao's 8-bit (and
 4-bit, CPU-offload) optimizers, and each pagedopt mode: resident, resident with gradients released,
-paged resident, host-resident, host-resident with updates during backward, device budget, 'auto')
+paged resident, host-resident and hybrid (device budget, 'auto'), each also with updates during
+backward, and a managed-memory budget)
 and each parameter dtype, the shapes (bench/scale_model.py: 1b ... 30b) are tried upward, each
 (row, shape, dtype) in a process of its own, training ``--steps`` steps (default 5) of a batch of
 1 x 512 random tokens with gradient checkpointing (bf16 autocast on CUDA); a row stops at its first
