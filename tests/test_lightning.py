@@ -14,6 +14,9 @@ scheduler stepped every batch.
   unscaling to them), a batch with an inf input is skipped (weights and states unchanged, step
   counts one short, the scale halved) and the run equals the hand-written GradScaler loop. The
   same on a GPU with ``precision="16-mixed"`` is ``test_16_mixed_on_cuda`` (``@pytest.mark.cuda``).
+* Gradient clipping: Lightning refuses ``gradient_clip_val`` under its mixed-precision plugins for an
+  optimizer that unscales inside ``step()``; with ``opt._step_supports_amp_scaling = False`` (the
+  README's advice) it clips, and equals the hand-written unscale_, clip_grad_norm_, step loop.
 
 Tolerances: none. Lightning runs the same operations on the same tensors in the same order as the
 hand-written loop; a checkpoint restores the optimizer (``load_state_dict``), the scheduler and the
