@@ -136,6 +136,8 @@ def lightning():
     opt = ns["trainer"].optimizers[0]
     assert type(opt) is pagedopt.PagedAdamW8bit and opt.state[model.net[0].weight]["state1"].dtype == torch.uint8
     assert all(s["step"].item() == 2 * 8 for s in opt.state.values())  # 2 epochs of 512 / 64 batches
+    # StepLR(step_size=5, gamma=0.5) stepped after every batch: halved 3 times in 16 steps
+    assert ns["trainer"].lr_scheduler_configs[0].scheduler.get_last_lr() == [1e-3 * 0.5 ** 3]
     for p, q in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
 
