@@ -214,7 +214,8 @@ def test_16_mixed_grad_scaler_path_on_cpu(tmp_path, cls_name):
 def precision_kwargs(precision):
     """Trainer arguments for a precision; "16-mixed" on the CPU through the explicit plugin."""
     if precision == "16-mixed":
-        return dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 12))])
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+        return dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
     return dict(precision=precision)
 
 

@@ -34,7 +34,8 @@ def subsections() -> dict[str, str]:
         text = f.read()
     m = re.search(rf"^## {re.escape(SECTION)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
     assert m, f"no '## {SECTION}' section in README.md"
-    return {h.group(1).strip(): h.group(2) for h in re.finditer(r"^### (.+?)\n(.*?)(?=^### |\Z)", m.group(1), re.S | re.M)}
+    parts = re.finditer(r"^### (.+?)\n(.*?)(?=^### |\Z)", m.group(1), re.S | re.M)
+    return {h.group(1).strip(): h.group(2) for h in parts}
 
 
 def python_blocks(text: str) -> list[str]:
