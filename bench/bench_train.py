@@ -111,11 +111,14 @@ class Mode:
     note: str = ""
 
 
-def _pagedopt(cls: str, residency: Optional[str] = None, update_in_backward: bool = False):
+def _pagedopt(cls: str, residency: Optional[str] = None, update_in_backward: bool = False,
+              device_budget: Optional[str] = None):
     def make(params, device):
         import pagedopt
         opt = getattr(pagedopt, cls)(params, **HYPER)
-        if residency is not None:  # the default device buffer (256 MiB)
+        if device_budget is not None:  # hybrid: that many bytes of states stay, the rest stream
+            opt.set_pager(device_budget=device_budget, update_in_backward=update_in_backward)
+        elif residency is not None:  # the default device buffer (256 MiB)
             opt.set_pager(residency=residency, update_in_backward=update_in_backward)
         return opt
     return make
@@ -147,6 +150,13 @@ MODES = [
          note="residency='host': states on the host, streamed through a 256 MiB device buffer"),
     Mode("pagedopt_paged_adamw8bit_host_bwd", _pagedopt("PagedAdamW8bit", "host", update_in_backward=True),
          note="residency='host', update_in_backward=True: states stream in and back during backward"),
+    Mode("pagedopt_paged_adamw8bit_auto", _pagedopt("PagedAdamW8bit", "auto"),
+         note="residency='auto': the states that fit in the free memory stay, the rest stream"),
+    Mode("pagedopt_paged_adamw8bit_budget512", _pagedopt("PagedAdamW8bit", device_budget="512MiB"),
+         note="device_budget='512MiB': 512 MiB of states stay, the rest stream from the host"),
+    Mode("pagedopt_paged_adamw8bit_budget512_bwd", _pagedopt("PagedAdamW8bit", update_in_backward=True,
+                                                             device_budget="512MiB"),
+         note="device_budget='512MiB', update_in_backward=True"),
     Mode("bnb_adamw8bit", _bnb("AdamW8bit"), cuda_only=True),
     Mode("bnb_paged_adamw8bit", _bnb("PagedAdamW8bit"), cuda_only=True, note="paged, resident"),
     Mode("torchao_cpu_offload", _torchao_offload, cuda_only=True,

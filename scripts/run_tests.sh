@@ -15,8 +15,15 @@ if [ "${PAGEDOPT_TEST_TRANSFORMERS:-1}" != 0 ]; then
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHON="$PY" nice -n 10 bash scripts/test_transformers457.sh >"$LOG" 2>&1 &
   OTHER=$!
 fi
+# the suite on one pytest worker per core (pytest-xdist, at most 4), a test file to a worker
+WORKERS=${PAGEDOPT_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
+[ "$WORKERS" -gt 4 ] && WORKERS=4
+XDIST=()
+if [ "$WORKERS" -gt 1 ] && "$PY" -c "import xdist" 2>/dev/null; then
+  XDIST=(-n "$WORKERS" --dist loadfile)
+fi
 # the set-up has just built the extension: tests/test_build.py then expects it up to date
-PAGEDOPT_EXPECT_UP_TO_DATE=1 "$PY" -m pytest -q tests
+PAGEDOPT_EXPECT_UP_TO_DATE=1 "$PY" -m pytest -q "${XDIST[@]}" tests
 SUITE=$?
 OTHER_RC=0
 if [ -n "${OTHER:-}" ]; then

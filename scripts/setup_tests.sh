@@ -2,12 +2,17 @@
 # What only the tests need (`make test`, after scripts/setup.sh), into the environment of $PYTHON;
 # what it installs is printed. Idempotent: installs only what is missing.
 #
-#   * pytest, hypothesis, matplotlib (the benchmarks' plots, smoke-tested on the CPU);
+#   * pytest, pytest-xdist (the suite runs on one worker per core), hypothesis, matplotlib (the
+#     benchmarks' plots, smoke-tested on the CPU);
 #   * transformers 5.25.0 and accelerate 1.16.0, for tests/test_transformers_trainer.py (which
 #     skips without them). transformers 5.x pins `kernels`, which our package index does not serve
 #     and the Trainer does not need: it is installed with --no-deps, after its other requirements
 #     (its metadata's list, less kernels: huggingface-hub, tokenizers, safetensors, ...).
-#     PAGEDOPT_TEST_TRANSFORMERS=0 skips this (and the transformers 4.57 run, and peft and trl);
+#     PAGEDOPT_TEST_TRANSFORMERS=0 skips this (and the transformers 4.57 run, and peft and trl).
+#   * deepspeed 0.19.8, for tests/test_deepspeed.py (which skips without it). PyPI has only its
+#     source; it builds (about 20 s, its C++ ops are compiled only when used) against the torch
+#     installed here (--no-build-isolation), with --no-deps after its requirements less torch, so
+#     that torch stays as it is. PAGEDOPT_TEST_DEEPSPEED=0 skips this.
 #   * peft 0.21.2 and trl 1.16.0, for tests/test_peft_trl.py and the README's "Use it with..."
 #     snippets (tests/test_readme_integrations.py). Both require transformers, and pip would
 #     resolve its pin of kernels again: they go in with --no-deps, after TRL's other requirements
@@ -24,7 +29,7 @@ PY=${PYTHON:-python3}
 say() { echo "pagedopt test set-up: $*"; }
 SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 
-MISSING=$("$PY" scripts/missing_packages.py pytest hypothesis matplotlib)
+MISSING=$("$PY" scripts/missing_packages.py pytest pytest-xdist hypothesis matplotlib)
 if [ -n "$MISSING" ]; then
   say "installing $MISSING into $SITE"
   "$PY" -m pip install -q $MISSING
@@ -57,5 +62,14 @@ if [ "${PAGEDOPT_TEST_LIGHTNING:-1}" != 0 ]; then
   if [ -n "$MISSING" ]; then
     say "installing lightning==$LIGHTNING_VERSION into $SITE"
     "$PY" -m pip install -q "lightning==$LIGHTNING_VERSION"
+  fi
+fi
+if [ "${PAGEDOPT_TEST_DEEPSPEED:-1}" != 0 ]; then
+  DEEPSPEED_VERSION=${DEEPSPEED_VERSION:-0.19.8}
+  MISSING=$("$PY" scripts/missing_packages.py "deepspeed==$DEEPSPEED_VERSION")
+  if [ -n "$MISSING" ]; then
+    say "installing deepspeed==$DEEPSPEED_VERSION (built against the installed torch, without changing it) and its requirements into $SITE"
+    "$PY" -m pip install -q einops hjson msgpack ninja numpy packaging psutil py-cpuinfo "pydantic>=2" tqdm
+    "$PY" -m pip install -q --no-build-isolation --no-deps "deepspeed==$DEEPSPEED_VERSION"
   fi
 fi

@@ -17,7 +17,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 MODES = {
     "unpaged": ("AdamW8bit", {}),
     "resident": ("PagedAdamW8bit", {"residency": "device"}),
-    "budget": ("PagedAdamW8bit", {"device_budget": 64 << 10}),
+    "budget": ("PagedAdamW8bit", {"device_budget": 64 << 10, "device_buffer": 256 << 10}),
+    "auto": ("PagedAdamW8bit", {"residency": "auto"}),
     "host": ("PagedAdamW8bit", {"residency": "host", "device_buffer": 256 << 10}),
     "lion_resident": ("PagedLion8bit", {"residency": "device"}),
     "ademamix_unpaged": ("AdEMAMix8bit", {}),

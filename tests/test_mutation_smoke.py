@@ -38,10 +38,10 @@ def test_runner_kills_a_mutant_and_reports_a_stale_one(tmp_path):
     out_json, out_md = tmp_path / "result.json", tmp_path / "MUTATION.md"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "mutation.py"), "--catalog", str(catalog),
-         "--only", "smoke_beta_one_accepted", "--only", "smoke_stale", "--timeout", "120",
+         "--only", "smoke_beta_one_accepted", "--only", "smoke_stale", "--timeout", "400",
          "--source", "worktree", "--workdir", str(tmp_path / "scratch"),
          "--json", str(out_json), "--out", str(out_md), "--quiet"],
-        cwd=ROOT, capture_output=True, text=True, timeout=170)
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out_json.read_text())
     status = {r["name"]: r["status"] for r in report["results"]}

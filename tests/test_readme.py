@@ -150,8 +150,8 @@ def test_quick_start_says_what_each_command_installs():
 
     demo, tests = installed("setup.sh"), installed("setup_tests.sh")
     assert demo == {"torch==2.14.1", "ninja", "tqdm", "setuptools>=64", "wheel"}
-    assert tests >= {"pytest", "hypothesis", "matplotlib", "transformers==5.25.0", "accelerate==1.16.0", "peft==0.21.2",
-                     "trl==1.16.0", "lightning==2.6.6"}
+    assert tests >= {"pytest", "hypothesis", "matplotlib", "transformers==5.25.0", "accelerate==1.16.0",
+                     "deepspeed==0.19.8", "peft==0.21.2", "trl==1.16.0", "lightning==2.6.6"}
     table = re.search(r"^\| \| `make demo`.*?\n\n", quick_start(), re.S | re.M).group(0)
     columns = [row.split("|")[2:4] for row in table.splitlines() if row.startswith("| packages")]
     (demo_column, tests_column), = columns

@@ -87,7 +87,7 @@ print("exiting")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for _ in range(3):
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=120)
+                              timeout=600)
         assert proc.returncode == 0 and "exiting" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
         assert "terminate" not in proc.stderr, proc.stderr[-2000:]
 

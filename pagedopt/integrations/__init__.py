@@ -2,7 +2,9 @@
 
 Each submodule imports its framework only when it is imported itself; ``import pagedopt`` imports
 none of them. ``pagedopt.integrations.transformers``: ``optim=`` names for the Hugging Face Trainer;
-``pagedopt.integrations.callbacks``: ``MemoryReportCallback``, memory figures in the Trainer's log history.
+``pagedopt.integrations.callbacks``: ``MemoryReportCallback``, memory figures in the Trainer's log history;
+``pagedopt.integrations.deepspeed``: the checks of ``deepspeed.initialize`` with a pagedopt optimizer;
+``pagedopt.integrations.dcp``: an all-or-nothing load of torch.distributed.checkpoint checkpoints (FSDP2).
 
 What ``import pagedopt`` does set up (:func:`set_up_on_import`): when a framework module listed in
 :data:`ON_IMPORT` is imported, before or after pagedopt, the integration's ``_on_import(module)``
@@ -16,7 +18,8 @@ import importlib
 import os
 
 # integration submodule -> the framework modules whose import runs its _on_import(module)
-ON_IMPORT = {"transformers": ("transformers.training_args", "transformers.trainer")}
+ON_IMPORT = {"transformers": ("transformers.training_args", "transformers.trainer"),
+             "deepspeed": ("deepspeed",)}
 _OFF = ("0", "false", "no", "off")
 
 

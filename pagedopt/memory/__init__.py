@@ -17,14 +17,18 @@ Modules (the public names of each are re-exported here, so ``pagedopt.memory.X``
 * :mod:`.model`: a model's parameter tensors (from a config.json, a preset, a module or a count);
 * :mod:`.estimator`: the bytes of a training run (:func:`estimate`; what is exact and what is an
   estimate is told there) and :func:`gpu_capacity`;
+* :mod:`.modes`: each paging mode's peak (resident, budget, host, gradients released) and the mode
+  to pick for a GPU (:func:`predict_modes`, :func:`recommend`);
 * :mod:`.cli`: the table (:func:`format_estimate`) and the command line (:func:`main`);
 * :mod:`.measure`: what a running process holds (:func:`memory_report`, :func:`log_memory`).
 """
 from .cli import format_estimate, main
 from .estimator import (ATTENTION_TARGETS, BLOCK, CUDA_CONTEXT_BYTES, MLP_TARGETS, PAGED_CHUNK_BYTES, STEP_BYTES,
                         Estimate, activation_bytes, estimate, gpu_capacity, lora_tensors, normalize_optimizer,
-                        state_bytes_of_tensor)
+                        state_bytes_of_tensor, weight_cast_bytes)
 from .measure import log_memory, memory_report, report_gib
+from .modes import (DEFAULT_MARGIN, MODES, ModePrediction, Recommendation, auto_resident, largest_budget, parse_size,
+                    predict_modes, recommend, released_gradients, streamed_bytes)
 from .model import (Arch, Model, Tensor, load_config, model_from_config, model_from_params, tensors_from_formula,
                     tensors_from_module, tensors_from_transformers)
 from .tables import ALIASES, DTYPE_BYTES, EXTRA_STATE_BYTES, GIB, GPUS, OPTIMIZERS, PRESETS
@@ -35,4 +39,6 @@ __all__ = [
     "Tensor", "activation_bytes", "estimate", "format_estimate", "gpu_capacity", "load_config", "log_memory",
     "lora_tensors", "main", "memory_report", "model_from_config", "model_from_params", "normalize_optimizer",
     "report_gib", "state_bytes_of_tensor", "tensors_from_formula", "tensors_from_module", "tensors_from_transformers",
+    "DEFAULT_MARGIN", "MODES", "ModePrediction", "Recommendation", "largest_budget", "parse_size", "predict_modes",
+    "recommend", "released_gradients", "weight_cast_bytes", "auto_resident", "streamed_bytes",
 ]

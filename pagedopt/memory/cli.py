@@ -8,6 +8,7 @@ from typing import Optional
 
 from .estimator import Estimate, estimate, gpu_capacity
 from .model import model_from_config, model_from_params
+from .modes import DEFAULT_MARGIN, DEVICE_BUFFER_BYTES, largest_budget, parse_size, predict_modes, recommend
 from .tables import DTYPE_BYTES, GIB, GPUS, OPTIMIZERS, PRESETS
 
 # argparse's description: the first line of the package's docstring
@@ -46,6 +47,9 @@ def format_estimate(e: Estimate, gpu=None, compare: bool = True) -> str:
              "Korthikanti et al. 2022, per layer s*b*h*(34+5as/h)" + ("" if s["attention"] == "eager" else ", no 5as/h (sdpa)")),
             ("CUDA context (constant)", e.context, 0, "outside torch's allocator"),
             ]
+    if e.weight_casts:
+        rows.insert(4, ("16-bit weight copies", e.weight_casts, 0, "ESTIMATE: fp32 weights under autocast, the "
+                        "copies saved for backward (with cache_enabled=False)"))
     width = 26
     lines.append(f"{'':{width}} {'GPU GiB':>9}  {'host GiB':>9}  note")
     for name, gpu_b, host_b, note in rows:
@@ -82,6 +86,32 @@ def format_estimate(e: Estimate, gpu=None, compare: bool = True) -> str:
     return "\n".join(lines)
 
 
+def format_modes(e: Estimate, gpu=None, margin: float = DEFAULT_MARGIN, budget=None,
+                 device_buffer=DEVICE_BUFFER_BYTES, release_ok: bool = True) -> str:
+    """The table of each paging mode's peak (pagedopt.memory.modes) and, for a GPU, the mode to pick."""
+    cap = None if gpu is None else int(gpu_capacity(gpu)[1] * GIB)
+    if budget is None and cap is not None:
+        budget = largest_budget(e, cap, margin) or None
+    preds = predict_modes(e, device_buffer, budget, capacity=cap)
+    width = max(len(p.mode) for p in preds)
+    lines = ["", "each mode (GiB; peak: what the GPU holds, first step included; torch: torch.cuda.max_memory_allocated"
+             " after the first step; link: bytes each way per step):",
+             f"  {'mode':{width}} {'peak':>8} {'1st step':>8} {'torch':>8} {'states':>8} {'grads':>8} {'pinned':>8}"
+             f" {'link':>8}" + ("  fits" if cap is not None else "")]
+    for p in preds:
+        lines.append(f"  {p.mode:{width}} {p.peak / GIB:8.2f} {p.first_step_peak / GIB:8.2f} {p.allocator_peak / GIB:8.2f}"
+                     f" {p.states_on_gpu / GIB:8.2f} {p.gradients / GIB:8.2f} {p.pinned / GIB:8.2f} {p.link_h2d / GIB:8.2f}"
+                     + (("  yes" if p.fits(cap, margin) else "  no") if cap is not None else ""))
+    for p in preds:
+        lines.append(f"  {p.mode}: {p.how}" + (f"  ({p.note})" if p.note else ""))
+    if cap is not None:
+        r = recommend(e, cap, margin, release_ok, device_buffer)
+        lines += ["", f"recommended: {r.how or 'none'}", f"  {r.reason}"]
+        if r.alternatives:
+            lines.append(f"  also fit (slower): {', '.join(r.alternatives)}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pagedopt-mem", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,6 +136,15 @@ def main(argv=None) -> int:
     p.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa")
     p.add_argument("--gpu", help="GPU memory in GiB or a name: " + ", ".join(GPUS))
     p.add_argument("--json", action="store_true", help="print the figures as JSON (bytes)")
+    p.add_argument("--modes", action="store_true", help="each paging mode's peak (resident, budget, host, with "
+                   "gradients released) and, with --gpu, the mode to pick")
+    p.add_argument("--device-buffer", default="256MiB", help="the device buffer of host-resident states (--modes)")
+    p.add_argument("--budget", default=None, help="the budget mode's device budget, e.g. 4GiB (--modes; default: "
+                   "the largest that fits the --gpu, else half the states)")
+    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="the share of the GPU left free when "
+                   "deciding what fits (--modes; default %(default)s)")
+    p.add_argument("--no-release", action="store_true", help="the run clips gradients, uses GradScaler, DDP or "
+                   "gradient accumulation: no mode that releases gradients during backward (--modes)")
     a = p.parse_args(argv)
     try:
         model = (model_from_params(a.params) if a.params is not None
@@ -115,6 +154,10 @@ def main(argv=None) -> int:
                      min_8bit_size=a.min_8bit_size, embeddings_32bit=a.embeddings_32bit, act_dtype=a.act_dtype)
         if a.gpu is not None:
             gpu_capacity(a.gpu)
+        buffer = parse_size(a.device_buffer, "--device-buffer")
+        budget = None if a.budget is None else parse_size(a.budget, "--budget")
+        if not 0 <= a.margin < 1:
+            raise ValueError(f"--margin must be in [0, 1), got {a.margin}")
     except (ValueError, FileNotFoundError, KeyError) as err:
         p.error(str(err))
     if a.json:
@@ -122,10 +165,21 @@ def main(argv=None) -> int:
                                           "states_host", "activations", "step_temporaries", "context")}
         out.update(forward_backward=e.forward_backward, optimizer_step=e.optimizer_step, peak=e.peak,
                    source=e.model.source, optimizer=e.optimizer)
-        if a.gpu is not None:
-            out["max_batch"] = e.max_batch(int(gpu_capacity(a.gpu)[1] * GIB))
+        cap = None if a.gpu is None else int(gpu_capacity(a.gpu)[1] * GIB)
+        if cap is not None:
+            out["max_batch"] = e.max_batch(cap)
+        if a.modes:
+            if budget is None and cap is not None:
+                budget = largest_budget(e, cap, a.margin) or None
+            out["modes"] = [m.as_dict() for m in predict_modes(e, buffer, budget, capacity=cap)]
+            if cap is not None:
+                r = recommend(e, cap, a.margin, not a.no_release, buffer)
+                out["recommendation"] = {"mode": r.mode, "how": r.how, "reason": r.reason,
+                                         "alternatives": r.alternatives}
         print(json.dumps(out, indent=1))
     else:
         print(format_estimate(e, a.gpu))
+        if a.modes:
+            print(format_modes(e, a.gpu, a.margin, budget, buffer, not a.no_release))
     return 0
 

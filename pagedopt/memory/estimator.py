@@ -129,6 +129,33 @@ def activation_bytes(arch: Arch, batch: int, seq: int, checkpointing: bool, atte
     return int(layers * scale + logits)
 
 
+def weight_cast_bytes(model: Model, checkpointing: bool, act_bytes: int = 2) -> int:
+    """ESTIMATE of the 16-bit copies of fp32 weights alive at once under autocast: a matmul saves
+    its input cast (the weight's 16-bit copy) for backward, so without checkpointing every linear
+    weight's copy lives until its backward; with checkpointing (each decoder layer recomputed in
+    backward) one layer's copies, plus those of the linears outside the layers (lm_head). With
+    ``torch.autocast(cache_enabled=True)`` (torch's default) the forward also caches a copy of every
+    weight until the autocast region ends, whatever the checkpointing: pass ``cache_enabled=False``
+    with gradient checkpointing, where gradients are released, or count 2 bytes per weight more.
+    0 for a model whose tensors are unknown (``--params``)."""
+    import re
+
+    if not model.exact:
+        return 0
+    per_layer: dict = {}
+    outside = 0
+    for t in model.tensors:
+        if t.linear is None:
+            continue
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", t.name)
+        if m is None:
+            outside += t.numel
+        else:
+            per_layer[m.group(1)] = per_layer.get(m.group(1), 0) + t.numel
+    inside = max(per_layer.values(), default=0) if checkpointing else sum(per_layer.values())
+    return (inside + outside) * act_bytes
+
+
 @dataclass
 class Estimate:
     """Bytes of one training configuration. ``state_bytes`` = ``states_gpu + states_host``."""
@@ -148,11 +175,16 @@ class Estimate:
     step_temporaries: int
     context: int
     settings: dict = field(default_factory=dict)
+    largest_trainable: int = 0  # numel of the largest trainable tensor (released gradients keep it whole)
+    trainable_tensors: int = 0  # how many (each has a 4-byte step counter, which host residency keeps apart)
+    weight_casts: int = 0  # 16-bit copies of fp32 weights saved for backward under autocast (weight_cast_bytes)
 
     @property
     def forward_backward(self) -> int:
-        """Peak during forward/backward: weights, gradients, GPU-resident states, activations, context."""
-        return self.context + self.weights + self.gradients + self.states_gpu + (self.activations or 0)
+        """Peak during forward/backward: weights, gradients, GPU-resident states, activations (and the
+        16-bit copies of fp32 weights that autocast saves for backward), context."""
+        return (self.context + self.weights + self.gradients + self.states_gpu + (self.activations or 0)
+                + self.weight_casts)
 
     @property
     def optimizer_step(self) -> int:
@@ -212,24 +244,27 @@ def estimate(model: Model, optimizer: str = "adamw_8bit", weights: str = "bf16",
         elif bits == 32 or bits == 8:
             upcast += t.numel  # pagedopt's 32-bit path
     # step temporaries: torch's foreach AdamW (its CUDA default) makes one state-sized list
-    # (sqrt(exp_avg_sq)); pagedopt's 32-bit path upcasts 16-bit params and grads of a whole bucket to
+    # (sqrt(exp_avg_sq)), its fused kernel (fused=True) none; pagedopt's 32-bit path upcasts 16-bit params and grads of a whole bucket to
     # fp32 (AdamBase._step_chunk: 8 bytes per param with 32-bit states; per 64 MiB chunk only when the
     # pager believes paged states are out, which it does not after a driver eviction, so counted whole).
     if bits is None:
-        temps = n_trainable * tb
+        temps = 0 if opt == "adamw_torch_fused" else n_trainable * tb
     else:
         temps = upcast * 8 if tb != 4 else 0
     act = None
+    ab = DTYPE_BYTES[act_dtype] if act_dtype else (4 if weights == "fp32" else 2)
     if model.arch is not None:
-        ab = DTYPE_BYTES[act_dtype] if act_dtype else (4 if weights == "fp32" else 2)
         act = activation_bytes(model.arch, batch, seq, gradient_checkpointing, attention, ab)
+    casts = weight_cast_bytes(model, gradient_checkpointing, ab) if wb == 4 and ab < 4 else 0
     return Estimate(model=model, optimizer=opt, weights_dtype=weights, n_params=n_params, n_trainable=n_trainable,
                     weights=weight_bytes, gradients=grads, state_bytes=states,
                     states_gpu=0 if paged else states, states_host=states if paged else 0, params_8bit=params_8bit,
                     activations=act, step_temporaries=temps, context=context_bytes,
                     settings=dict(batch=batch, seq=seq, gradient_checkpointing=gradient_checkpointing,
                                   attention=attention, lora_rank=lora_rank, lora_mlp=lora_mlp,
-                                  min_8bit_size=min_8bit_size, embeddings_32bit=embeddings_32bit, act_dtype=act_dtype))
+                                  min_8bit_size=min_8bit_size, embeddings_32bit=embeddings_32bit, act_dtype=act_dtype),
+                    largest_trainable=max((t.numel for t in trainable), default=0), trainable_tensors=len(trainable),
+                    weight_casts=casts)
 
 
 def gpu_capacity(gpu) -> tuple[str, float]:

@@ -19,6 +19,7 @@ GPUS = {
 # per parameter: Lion, SGD with momentum, RMSprop and Adagrad keep 1, Adam 2, AdEMAMix 3).
 OPTIMIZERS = {
     "adamw_torch": ("torch.optim.AdamW", None, False, 2),
+    "adamw_torch_fused": ("torch.optim.AdamW(fused=True)", None, False, 2),
     "adamw_8bit": ("pagedopt.AdamW8bit", 8, False, 2),
     "paged_adamw_8bit": ("pagedopt.PagedAdamW8bit", 8, True, 2),
     "adamw_32bit": ("pagedopt.AdamW32bit", 32, False, 2),
@@ -38,7 +39,7 @@ OPTIMIZERS = {
 # bytes per parameter tensor beyond its moments and step: LARS and LAMB keep unorm_vec (one fp32)
 EXTRA_STATE_BYTES = {"lars_8bit": 4, "lamb_8bit": 4}
 # other names of the optimizers above (normalize_optimizer)
-ALIASES = {"adamw": "adamw_torch", "torch": "adamw_torch", "adam_torch": "adamw_torch", "adamw_torch_fused": "adamw_torch",
+ALIASES = {"adamw": "adamw_torch", "torch": "adamw_torch", "adam_torch": "adamw_torch", "torch_fused": "adamw_torch_fused",
            "adam_8bit": "adamw_8bit", "paged_adam_8bit": "paged_adamw_8bit", "adam_32bit": "adamw_32bit",
            "paged_adam_32bit": "paged_adamw_32bit"}
 

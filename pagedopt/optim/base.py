@@ -35,7 +35,7 @@ from .grad_checks import raise_bad_grad, raise_bad_sharding
 from .hyperparameters import check_hyperparameters
 from .pager_control import PAGED_SLAB_BYTES, PagerControl
 from .plan import StepPlan, build_plan, is_current
-from .residency import streams_states
+from .residency import streams_now, streams_states
 from .state_table import StateTable
 
 
@@ -314,9 +314,12 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         if plan is not None:
             return plan
         streamed = streams_states(self._pager)
-        plan = build_plan(self.algorithm, self.param_groups, self.state, self._plan_version, params,
-                          self.overrides(self.param_groups), self.complete_state,
-                          self.check_fits_device_buffer if streamed else None, streamed)
+        overrides = self.overrides(self.param_groups)
+        plan = build_plan(self.algorithm, self.param_groups, self.state, self._plan_version, params, overrides,
+                          self.complete_state, self.check_fits_device_buffer if streamed else None, streamed)
+        if streamed and not streams_now(self._pager):  # a hybrid pager kept every state on the device:
+            plan = build_plan(self.algorithm, self.param_groups, self.state, self._plan_version, params, overrides,
+                              self.complete_state, None, False)  # the resident plan (states held in C++)
         self._plan = hold_params_for_fast_steps(plan, params, self.param_groups, self._pager, self.algorithm)
         return self._plan
 
@@ -378,6 +381,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
                 "capturable": getattr(self, "capturable", False),
                 "budget_bytes": getattr(self._pager, "budget_bytes", None),
                 "device_buffer_bytes": getattr(self._pager, "device_buffer_bytes", None),
+                "resident_bytes": getattr(self._pager, "resident_bytes", None),
                 "update_in_backward": None if self._backward_updates is None else self._backward_updates.enabled,
                 "keep_grads": self._backward_updates is not None and self._backward_updates.keep_grads,
                 "state": {p: checkpoint.portable_param_state(s) for p, s in self.state.items()}}
@@ -388,6 +392,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         self.capturable = state.pop("capturable", False)
         budget_bytes = state.pop("budget_bytes", None)
         device_buffer_bytes = state.pop("device_buffer_bytes", None)
+        resident_bytes = state.pop("resident_bytes", None)
         update_in_backward = state.pop("update_in_backward", None)
         keep_grads = state.pop("keep_grads", False)
         saved_state = state.pop("state", {})
@@ -396,7 +401,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         if is_paged and device_buffer_bytes is not None:  # a copy keeps host residency and its buffer
             from ..paging import HostResidentPager
 
-            pager = HostResidentPager(device_buffer_bytes)
+            pager = HostResidentPager(device_buffer_bytes, resident_bytes=resident_bytes)
         elif is_paged and budget_bytes is not None:  # a copy keeps the original's device budget
             from ..paging import PageManager
 

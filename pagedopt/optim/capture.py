@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .residency import all_resident, streams_states
+from .residency import all_resident, streams_now
 
 
 def capturing(p: torch.Tensor) -> bool:
@@ -50,7 +50,7 @@ def capture_check(opt, plan) -> None:
                            "add_param_group): run eager warm-up steps with the same parameters having gradients "
                            "first, so that the states and step counters are made outside the graph")
     pager = opt.pager
-    if streams_states(pager):
+    if streams_now(pager):
         raise RuntimeError(f"{name}.step() cannot be captured in a CUDA graph with host-resident states "
                            "(residency='host'): their copies are scheduled on the host at every step; use "
                            "set_pager(residency='device') for a captured step")

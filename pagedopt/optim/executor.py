@@ -74,7 +74,7 @@ def _step_sharded_norm_scaled(spec, pager, group, bucket, params, chunks, grad_s
     (the same collective calls on every rank, whatever its chunks), then the updates."""
     import torch
 
-    if residency.streams_states(pager):
+    if residency.streams_now(pager):
         raise ValueError(f"{spec.name}: host-resident states (residency='host') are not supported for DTensor "
                          "(FSDP2) parameters, whose norms need every chunk before any update")
     hyper, lr = kernels.hyper_and_lr(spec, group, bucket.device)

@@ -26,13 +26,13 @@ from itertools import chain
 from .. import _ops
 from . import capture, executor, kernels
 from .plan import StepPlan, group_of, is_current
-from .residency import all_resident, streams_states
+from .residency import all_resident, streams_now
 
 
 def hold_params_for_fast_steps(plan: StepPlan, params: list, param_groups: list[dict], pager, spec) -> StepPlan:
     """When a new plan qualifies for fast steps, hold its parameters in its state lists; the plan,
     with ``fast`` set when it does."""
-    if plan.sharded or spec.norm_scaled or streams_states(pager):
+    if plan.sharded or spec.norm_scaled or streams_now(pager):
         return plan
     if not any(b.held is not None for b in plan.buckets):
         return plan

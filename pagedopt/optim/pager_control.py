@@ -25,13 +25,20 @@ class PagerControl:
         """Page this optimizer's states through ``pager`` (a ``pagedopt.PageManager`` or
         ``pagedopt.HostResidentPager``), or through a new one:
 
-        * ``device_budget``: a PageManager that keeps at most that many paged bytes resident per
-          GPU (an int, or a string such as ``"4GiB"`` or ``"512MiB"``; see PageManager's
-          ``budget_bytes`` for what it does);
         * ``residency="host"``: a HostResidentPager: states live in page-locked host memory and
           stream through a device buffer of ``device_buffer`` bytes (default ``"256MiB"``) during
           step(), which is all the GPU memory the states take; results are bit-identical to
           resident states.
+        * ``residency="auto"``: hybrid: as many states as fit in ``device_budget`` stay on the GPU
+          (ordinary device memory, never moved), the rest live on the host and stream as with
+          ``"host"``; so a step moves only what does not fit, and nothing when all fit. Without a
+          ``device_budget`` the budget is what the GPU has free when the states are made (the
+          first step, after forward and backward reached their peak), less a margin
+          (``pagedopt.paging.resident_set.auto_budget``); on the CPU every state stays.
+        * ``device_budget`` alone: the same as ``residency="auto"`` with that budget per GPU (an
+          int, or a string such as ``"4GiB"`` or ``"512MiB"``). (A PageManager of managed memory
+          with a budget, which pages states in and out around each step, is still
+          ``set_pager(pagedopt.PageManager(budget_bytes=...))``; it moves more and is slower.)
         * ``update_in_backward=True`` (with any of them): each parameter is updated during
           ``backward()`` as soon as its gradient is final, so that the states' copies overlap with
           backward, and its gradient is then released (``p.grad = None``; ``keep_grads=True``
@@ -62,33 +69,42 @@ class PagerControl:
         if any(len(s) for s in self.state.values()):
             raise ValueError("set_pager: this optimizer already holds states (set the pager before the first step "
                              "or load_state_dict)")
-        if residency is not None and residency not in ("host", "device"):
-            raise ValueError(f"set_pager: residency must be 'host' or 'device', got {residency!r}")
-        if device_buffer is not None and residency != "host":
-            raise ValueError("set_pager: device_buffer=... goes with residency='host'")
+        if residency is not None and residency not in ("host", "device", "auto"):
+            raise ValueError(f"set_pager: residency must be 'host', 'auto' or 'device', got {residency!r}")
+        if device_budget is not None and residency is not None and residency != "auto":
+            raise ValueError(f"set_pager: device_budget=... goes with residency='auto' (or alone), not with "
+                             f"residency={residency!r}")
+        hybrid = residency == "auto" or (device_budget is not None and pager is None)
+        if device_buffer is not None and residency != "host" and not hybrid:
+            raise ValueError("set_pager: device_buffer=... goes with residency='host' or 'auto' (or device_budget)")
         if not isinstance(update_in_backward, bool):
             raise ValueError(f"set_pager: update_in_backward must be True or False, got {update_in_backward!r}")
         if update_in_backward:
             from .backward_updates import refuse_unsupported
 
             refuse_unsupported(self)
-        chosen = sum(x is not None for x in (pager, device_budget)) + (residency == "host")
+        chosen = (pager is not None) + (residency in ("host", "auto") or device_budget is not None)
         if chosen != 1 and not (chosen == 0 and (residency == "device" or update_in_backward)):
-            raise ValueError("set_pager takes a pager, device_budget=... or residency='host', exactly one of them")
+            raise ValueError("set_pager takes a pager, residency='host' or 'auto', or device_budget=..., exactly one "
+                             "of them")
         if pager is not None and not isinstance(pager, (PageManager, HostResidentPager)):
             raise ValueError("set_pager: pager must be a pagedopt.PageManager or pagedopt.HostResidentPager, got "
                              f"{type(pager).__name__}")
-        if residency == "host":
+        if residency == "host" or hybrid:
             from ..paging.host_resident import DEFAULT_DEVICE_BUFFER
 
+            resident = None
+            if hybrid:
+                resident = "auto" if device_budget is None else parse_bytes(device_budget, "device_budget")
             size = DEFAULT_DEVICE_BUFFER if device_buffer is None else parse_bytes(device_buffer, "device_buffer")
             try:
-                pager = HostResidentPager(size)
+                pager = HostResidentPager(size, resident_bytes=resident)
             except ValueError as exc:
                 raise ValueError(f"set_pager: device_buffer={device_buffer!r}: {exc}") from None
         elif pager is None:  # residency="device" alone: a PageManager without a budget, the default
-            budget = None if device_budget is None else parse_bytes(device_budget, "device_budget")
-            pager = PageManager(budget, arena_bytes=PAGED_SLAB_BYTES)
+            pager = PageManager(None, arena_bytes=PAGED_SLAB_BYTES)
+        # a buffer of the default size grows to hold the largest state that cannot be cut
+        self._buffer_may_grow = device_buffer is None and (residency == "host" or hybrid)
         self._pager = pager
         self._plan = None
         self._set_backward_updates(update_in_backward, keep_grads)
@@ -148,8 +164,10 @@ class PagerControl:
     def check_fits_device_buffer(self, config: dict, p: torch.Tensor, gi: int, pi: int) -> None:
         """Host-resident states stream through the device buffer in pieces of whole blocks, so any
         size fits; but the states of an algorithm that cannot be cut (stacked moments, an update
-        scaled by the whole tensor's norm) stream in one piece and must fit the buffer. Checked
-        before the states are made, so a refused step changes nothing."""
+        scaled by the whole tensor's norm) stream in one piece and must fit the buffer: a buffer
+        of the default size grows to hold them (before its first pass), one set by
+        ``device_buffer=`` does not. Checked before the states are made, so a refused step
+        changes nothing."""
         from .residency import cuttable
 
         if cuttable(self.algorithm):
@@ -171,6 +189,8 @@ class PagerControl:
         from ..paging.host_resident import REGION_ALIGN
 
         needed = nbytes + REGION_ALIGN * 2 * len(self.algorithm.states)
+        if needed > self._pager.device_buffer_bytes and getattr(self, "_buffer_may_grow", False):
+            self._pager.grow_device_buffer(needed)
         if needed > self._pager.device_buffer_bytes:
             raise ValueError(f"param_groups[{gi}]['params'][{pi}]: its states take {nbytes} bytes, more than the device "
                              f"buffer of host-resident states holds ({self._pager.device_buffer_bytes} bytes); "

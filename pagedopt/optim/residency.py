@@ -6,7 +6,9 @@ in order, each with the state lists to update it with (``Chunk.lists``, named by
 * staged (a PageManager whose states are not all resident, e.g. under a device budget): chunks of
   about ``CHUNK_BYTES`` of state that the pager pages in ahead of their update;
 * streamed (a pager with ``streams_states``, HostResidentPager): chunks whose state lists hold
-  device views that the pager copies in before and back after each chunk's update.
+  device views that the pager copies in before and back after each chunk's update. A hybrid pager
+  (``residency="auto"`` or a ``device_budget``) keeps some states on the device: those are handed
+  out as they are, first, in one chunk, while the copies in of the others start.
 
 Non-contiguous parameters go through contiguous copies that are written back (``write_back``).
 The pagers know nothing of optimizers: they see lists of tensors.
@@ -56,6 +58,12 @@ def streams_states(pager) -> bool:
     return getattr(pager, "streams_states", False)
 
 
+def streams_now(pager) -> bool:
+    """Whether a step streams states now: a streaming pager that holds some state on the host
+    (a hybrid one whose budget took every state streams nothing, and steps as if resident)."""
+    return streams_states(pager) and not pager.all_resident()
+
+
 def make_chunk(params, grads, lists: dict, contiguous: bool) -> Chunk:
     if contiguous:
         return Chunk(params, params, grads, lists)
@@ -75,17 +83,19 @@ class Piece:
 
     __slots__ = ("j", "start", "end", "host", "by_key", "nbytes")
 
-    def __init__(self, j: int, start, end, by_key: dict):
+    def __init__(self, j: int, start, end, by_key: dict, stays=None):
         self.j, self.start, self.end, self.by_key = j, start, end, by_key
         self.host = list(by_key.values())
-        self.nbytes = sum(aligned_bytes(t.numel() * t.element_size()) for t in self.host)
+        self.nbytes = sum(aligned_bytes(t.numel() * t.element_size()) for t in self.host
+                          if stays is None or not stays(t))
 
 
-def pieces(j: int, p: torch.Tensor, state: dict, keys: tuple, limit: int, cuttable: bool) -> list:
+def pieces(j: int, p: torch.Tensor, state: dict, keys: tuple, limit: int, cuttable: bool, stays=None) -> list:
     """``p``'s state in pieces of at most ``limit`` bytes of whole blocks (one piece when it fits,
-    or cannot be cut: stacked moments, a non-contiguous parameter)."""
+    or cannot be cut: stacked moments, a non-contiguous parameter). ``stays(t)``: whether the
+    pager keeps state tensor ``t`` on the device (it then counts no bytes)."""
     host = {k: state[k] for k in keys if k in state}
-    whole = Piece(j, None, None, host)
+    whole = Piece(j, None, None, host, stays)
     n = p.numel()
     if not cuttable or whole.nbytes <= limit or not p.is_contiguous():
         return [whole]
@@ -100,7 +110,7 @@ def pieces(j: int, p: torch.Tensor, state: dict, keys: tuple, limit: int, cuttab
                 by_key[k] = t.view(-1)[a // STATE_BLOCK_SIZE:(b + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE]
             else:
                 by_key[k] = t.view(-1)[a:b]
-        out.append(Piece(j, a, b, by_key))
+        out.append(Piece(j, a, b, by_key, stays))
     return out
 
 
@@ -123,11 +133,11 @@ def chunks(pager, keys, bucket, params: list[torch.Tensor], grads: list[torch.Te
     from ..paging import split_by_bytes
 
     states, lists = bucket.states, bucket.lists
-    if streams_states(pager):
-        yield from _streamed(pager, keys, states, lists, params, grads, contiguous, cut, chunk_bytes)
-        return
     if all_resident(pager):
         yield make_chunk(params, grads, lists, contiguous)
+        return
+    if streams_states(pager):
+        yield from _streamed(pager, keys, states, lists, params, grads, contiguous, cut, chunk_bytes)
         return
     positions = split_by_bytes(list(range(len(states))), lambda j: _state_bytes(states[j], keys), chunk_bytes)
     for i in pager.stage([[states[j][k] for j in chunk for k in keys if k in states[j]] for chunk in positions]):
@@ -150,8 +160,12 @@ def _streamed(pager, keys, states: list[dict], lists: dict, params, grads, conti
     work_params, work_grads = (params, grads) if contiguous else contiguous_views(params, grads)
     chunk_bytes = min(chunk_bytes, max(pager.device_buffer_bytes // 3, 1))
     items = [piece for j in range(len(states))
-             for piece in pieces(j, work_params[j], states[j], keys, chunk_bytes, cut)]
-    positions = split_by_bytes(items, lambda piece: piece.nbytes, chunk_bytes)
+             for piece in pieces(j, work_params[j], states[j], keys, chunk_bytes, cut, pager.holds_resident)]
+    # states kept on the device (a hybrid pager's) first, in one chunk, updated while the first
+    # copies in of the others run
+    stay = [piece for piece in items if piece.nbytes == 0]
+    positions = ([stay] if stay else []) + split_by_bytes([piece for piece in items if piece.nbytes],
+                                                          lambda piece: piece.nbytes, chunk_bytes)
     groups = [[t for piece in chunk for t in piece.host] for chunk in positions]
     for i, views in pager.stream(params[0].device, groups):
         view_of = {id(t): v for t, v in zip(groups[i], views)}
@@ -195,18 +209,18 @@ class DirectPass:
 def pass_chunk_bytes(pager, chunks_per_buffer: int) -> int:
     """The state bytes of a chunk of updates during backward: a share of a streaming pager's
     device buffer (every chunk of it in flight), else CHUNK_BYTES."""
-    if streams_states(pager):
+    if streams_now(pager):
         return max(pager.device_buffer_bytes // chunks_per_buffer, 1)
     return CHUNK_BYTES
 
 
 def plan_pass(pager, groups: list):
     """Laid out once per schedule: a streaming pager's plan of the groups' copies, else the groups."""
-    return pager.plan_pass(groups) if streams_states(pager) else groups
+    return pager.plan_pass(groups) if streams_now(pager) else groups
 
 
 def open_pass(pager, device, planned, depth: int, trace=None):
     """One step's pass over the planned groups (see DirectPass and HostResidentPager.open_pass)."""
-    if streams_states(pager):
+    if streams_now(pager) and not isinstance(planned, list):
         return pager.open_pass(device, planned, depth, trace=trace)
     return DirectPass(pager, planned)

@@ -89,33 +89,68 @@ def describe_layout(t: torch.Tensor) -> str:
 #   global shape and placements, the same on every rank, with no communication), and the padded
 #   pieces form an even 1-D DTensor of slots * B entries: Shard(0) over each mesh dimension that
 #   shards the parameter, Replicate over the others (HSDP's replicas hold equal absmax).
-# * absmax_layout: int64 tensor [slots, B, aligned], the same on every rank (a replicated tensor
-#   for DCP). ``aligned`` (every shard is exactly B * 256 elements, so no padding) means the absmax
-#   DTensor is the absmax of the unsharded parameter, block for block: such a checkpoint reshards
-#   to any other aligned layout (another world size) and gathers (full_state_dict) into the state
-#   of an unsharded optimizer. Otherwise blocks belong to one layout, and load_state_dict refuses
-#   another one (DCP itself usually refuses first, with a size mismatch of absmax1).
+# * absmax_layout: int64 tensor [slots, B, kind], the same on every rank (a replicated tensor
+#   for DCP). kind 1 ("aligned": every shard is a contiguous run of the flattened parameter, the
+#   shards in mesh order, and exactly B * 256 elements, so no padding) means the absmax DTensor is
+#   the absmax of the unsharded parameter, block for block: such a checkpoint reshards to any other
+#   aligned layout (another world size) and gathers (full_state_dict) into the state of an
+#   unsharded optimizer. kind 0: contiguous shards, not whole blocks. kind >= 2: shards that are not
+#   contiguous runs of the flattened parameter (Shard(d) of a dimension d with larger dimensions
+#   before it, e.g. fully_shard's shard_placement_fn choosing Shard(1); strided shards), whose
+#   blocks group other elements than the unsharded parameter's even when every shard is whole
+#   blocks; 2 + a code of the placements, so that a checkpoint of one such layout is not taken for
+#   another of the same sizes. Blocks of kinds 0 and >= 2 belong to their layout, and
+#   load_state_dict refuses any other one (DCP itself usually refuses first, with a size mismatch
+#   of absmax1). Checkpoints written before kinds >= 2 existed say 0 or 1 for every layout.
+#   A 32-bit state has [slots, 0, -1] (NO_ABSMAX): DCP loads into the tensors of the state dict it is
+#   given and casts what it reads to their dtypes, so a checkpoint of 8-bit states loaded by an
+#   optimizer that holds 32-bit ones (other optim_bits or min_8bit_size) would turn the codes into
+#   moments without a word; its saved layout says 8-bit, and load_state_dict refuses it. (The other
+#   way round DCP refuses first: the checkpoint has no absmax1.) Checkpoints written before this
+#   have no absmax_layout for 32-bit states, which DCP's default planner reports as a missing key.
 
 
-def _absmax_layout(p) -> tuple[int, int, list, bool]:
-    """(slots, B, absmax placements, aligned) of a DTensor parameter; see above."""
+NO_ABSMAX = -1  # the kind of absmax_layout of a 32-bit state
+
+
+def _absmax_layout(p) -> tuple[int, int, list, int]:
+    """(slots, B, absmax placements, kind) of a DTensor parameter; see above."""
     from torch.distributed.tensor import Replicate, Shard
 
     mesh, placements = p.device_mesh, p.placements
     largest = list(p.shape)
-    slots, out = 1, []
+    slots, out, code, sharded_dims = 1, [], 0, set()
     for dim, placement in enumerate(placements):
         if isinstance(placement, Shard):
             largest[placement.dim] = -(-largest[placement.dim] // mesh.size(dim))  # torch.chunk's first piece
             slots *= mesh.size(dim)
             out.append(Shard(0))
+            if mesh.size(dim) > 1:
+                # a strided shard (FSDP2 with tensor parallelism on the same dimension) interleaves
+                strided = int(getattr(placement, "split_factor", 1)) if type(placement) is not Shard else 0
+                sharded_dims.add((placement.dim, strided))
+            code += (1 + placement.dim + 16 * int(getattr(placement, "split_factor", 0))) * 256 ** dim
         elif isinstance(placement, Replicate):
             out.append(Replicate())
         else:
             raise ValueError(f"a parameter with placements {tuple(placements)}: pagedopt keeps states of "
                              "Shard or Replicate parameters only")
     blocks = -(-math.prod(largest) // STATE_BLOCK_SIZE)
-    return slots, blocks, out, slots * blocks * STATE_BLOCK_SIZE == p.numel()
+    # contiguous: each shard is a run of the flattened parameter, in the absmax DTensor's (mesh) order
+    contiguous = not sharded_dims or (len(sharded_dims) == 1 and next(iter(sharded_dims))[1] == 0
+                                      and math.prod(p.shape[:next(iter(sharded_dims))[0]]) == 1)
+    if not contiguous:
+        return slots, blocks, out, 2 + code
+    return slots, blocks, out, int(slots * blocks * STATE_BLOCK_SIZE == p.numel())
+
+
+def describe_absmax_layout(slots: int, blocks: int, kind: int) -> str:
+    """The words for an absmax_layout [slots, blocks, kind] in an error."""
+    if kind == NO_ABSMAX:
+        return f"{slots} shard{'s' if slots != 1 else ''} of 32-bit states"
+    what = {1: "shards of whole blocks", 0: "shards that are not whole blocks"}.get(
+        kind, "shards that are not contiguous runs of the parameter")
+    return f"{slots} shard{'s' if slots != 1 else ''} of {blocks} blocks ({what})"
 
 
 def _stacked(placements, moments: int) -> tuple:
@@ -140,7 +175,7 @@ def sharded_param_state(state: Mapping, p, spec: "AlgorithmSpec") -> dict:
         out[st.key] = DTensor.from_local(state[st.key], mesh, _stacked(placements, st.moments), run_check=False,
                                          shape=shape, stride=torch.empty(shape, device="meta").stride())
     if present and state[present[0].key].dtype == torch.uint8:
-        slots, blocks, absmax_placements, aligned = _absmax_layout(p)
+        slots, blocks, absmax_placements, kind = _absmax_layout(p)
         for st in present:
             local = state[st.absmax_key].reshape(st.moments, -1)
             if local.shape[1] > blocks:
@@ -152,8 +187,33 @@ def sharded_param_state(state: Mapping, p, spec: "AlgorithmSpec") -> dict:
             out[st.absmax_key] = DTensor.from_local(local.reshape(st.absmax_shape(blocks)), mesh,
                                                     _stacked(absmax_placements, st.moments), run_check=False,
                                                     shape=shape, stride=torch.empty(shape, device="meta").stride())
-        out[ABSMAX_LAYOUT_KEY] = torch.tensor([slots, blocks, int(aligned)], dtype=torch.int64)
+        out[ABSMAX_LAYOUT_KEY] = torch.tensor([slots, blocks, kind], dtype=torch.int64)
+    elif present:
+        out[ABSMAX_LAYOUT_KEY] = torch.tensor([_absmax_layout(p)[0], 0, NO_ABSMAX], dtype=torch.int64)
     return out
+
+
+def _saved_layout(state: Mapping, where: str) -> tuple[int, int, int]:
+    saved = state.get(ABSMAX_LAYOUT_KEY)
+    if not isinstance(saved, torch.Tensor) or saved.dtype != torch.int64 or tuple(saved.shape) != (3,):
+        raise refuse(f"{where} has no {ABSMAX_LAYOUT_KEY!r} (an int64 tensor [slots, blocks, kind]) "
+                      "beside its sharded absmax")
+    slots, blocks, kind = (int(x) for x in saved.tolist())
+    return slots, blocks, kind
+
+
+def _check_gathered_layout(state: Mapping, where: str) -> None:
+    """A sharded 8-bit state gathered into whole tensors (get_optimizer_state_dict with
+    full_state_dict=True) keeps its absmax_layout: its absmax is the unsharded parameter's, block
+    for block, only when its shards were aligned (or there was one)."""
+    if ABSMAX_LAYOUT_KEY not in state:
+        return
+    slots, blocks, kind = _saved_layout(state, where)
+    if kind in (1, NO_ABSMAX) or (slots == 1 and kind == 0):
+        return
+    raise refuse(f"{where} absmax was saved for {describe_absmax_layout(slots, blocks, kind)}: gathered into "
+                  "one tensor, its blocks are not those of the unsharded parameter; reload the sharded "
+                  "checkpoint at the world size (and placements) it was saved at")
 
 
 def localize_state(state: dict, p: torch.Tensor, where: str, spec: "AlgorithmSpec") -> dict:
@@ -167,6 +227,7 @@ def localize_state(state: dict, p: torch.Tensor, where: str, spec: "AlgorithmSpe
             raise refuse(f"{where} {k!r} is a DTensor (a sharded checkpoint) but the parameter is not; "
                           "gather it first (get_optimizer_state_dict with full_state_dict=True)")
     if not p_sharded:
+        _check_gathered_layout(state, where)
         return state
     out = dict(state)
     mesh, placements = p.device_mesh, tuple(p.placements)
@@ -188,17 +249,13 @@ def localize_state(state: dict, p: torch.Tensor, where: str, spec: "AlgorithmSpe
             raise refuse(f"{where} {k!r} has shape {tuple(v.shape)}, expected {k_shape}")
         out[k] = v.to_local()
     if any(st.absmax_key in state for st in spec.states):
-        slots, blocks, absmax_placements, aligned = _absmax_layout(p)
-        saved = state.get(ABSMAX_LAYOUT_KEY)
-        if not isinstance(saved, torch.Tensor) or saved.dtype != torch.int64 or tuple(saved.shape) != (3,):
-            raise refuse(f"{where} has no {ABSMAX_LAYOUT_KEY!r} (an int64 tensor [slots, blocks, aligned]) "
-                          "beside its sharded absmax")
-        saved_slots, saved_blocks, saved_aligned = (int(x) for x in saved.tolist())
-        if (saved_slots, saved_blocks) != (slots, blocks) and not (saved_aligned and aligned):
-            raise refuse(f"{where} absmax was saved with {saved_slots} shards of {saved_blocks} blocks, this "
-                          f"parameter has {slots} of {blocks}: 8-bit states of shards that are not multiples "
-                          f"of {STATE_BLOCK_SIZE} elements reload only at the world size (and mesh) they were "
-                          "saved at")
+        slots, blocks, absmax_placements, kind = _absmax_layout(p)
+        saved_slots, saved_blocks, saved_kind = _saved_layout(state, where)
+        if (saved_slots, saved_blocks, saved_kind) != (slots, blocks, kind) and not (saved_kind == kind == 1):
+            raise refuse(f"{where} absmax was saved for {describe_absmax_layout(saved_slots, saved_blocks, saved_kind)}, "
+                          f"this parameter has {describe_absmax_layout(slots, blocks, kind)}: 8-bit states "
+                          "reload only at the world size (and mesh and placements) they were saved at, unless "
+                          f"both layouts shard dimension 0 into whole {STATE_BLOCK_SIZE}-element blocks")
         local_blocks = -(-local_numel(p) // STATE_BLOCK_SIZE)
         for st in spec.states:
             k, v = st.absmax_key, state.get(st.absmax_key)
@@ -217,5 +274,12 @@ def localize_state(state: dict, p: torch.Tensor, where: str, spec: "AlgorithmSpe
                 raise refuse(f"{where} {k!r} holds {local.numel()} blocks on this rank, expected "
                               f"{st.moments * blocks}")
             out[k] = local.reshape(st.moments, blocks)[:, :local_blocks].reshape(st.absmax_shape(local_blocks))
+    elif ABSMAX_LAYOUT_KEY in state and _saved_layout(state, where)[2] != NO_ABSMAX:
+        slots, blocks, kind = _saved_layout(state, where)
+        raise refuse(f"{where} was saved with 8-bit states ({describe_absmax_layout(slots, blocks, kind)}), but "
+                      "this optimizer holds 32-bit states for the parameter, into which "
+                      "torch.distributed.checkpoint.load would cast the saved uint8 codes: build the optimizer "
+                      "with the settings it was saved with (optim_bits, min_8bit_size, GlobalOptimManager "
+                      "overrides)")
     out.pop(ABSMAX_LAYOUT_KEY, None)
     return out

@@ -24,6 +24,7 @@ import torch
 
 from .backends import HostBackend, TimedCudaBackend
 from .managed import DeviceLike, as_device, paging_built
+from .resident_set import ResidentSet
 from .stats import PagingStats
 from .stream_pass import PassPlan, StreamPass, Traffic
 
@@ -45,13 +46,16 @@ def aligned_bytes(n: int) -> int:
 
 
 class _Layout:
-    """A group's place in a region: each tensor's offset, the region's size, and its copies: runs
-    of (a tensor of the run, its storage's first and end byte, offset in the region); the device
-    views of a region, made once per place in a buffer (``views``)."""
-    __slots__ = ("offsets", "size", "runs", "likes", "_views", "_pairs", "_lists")
+    """A group's place in a region: each tensor's offset (None for a tensor kept on its device,
+    ``stays``), the region's size, and its copies: runs of (a tensor of the run, its storage's
+    first and end byte, offset in the region); the device views of a region, made once per place
+    in a buffer (``views``); ``moved``: the bytes that cross the link each way."""
+    __slots__ = ("offsets", "size", "runs", "likes", "stays", "moved", "_views", "_pairs", "_lists")
 
-    def __init__(self, offsets: list[int], size: int, runs: list, likes: list):
+    def __init__(self, offsets: list, size: int, runs: list, likes: list, stays: Optional[dict] = None):
         self.offsets, self.size, self.runs, self.likes = offsets, size, runs, likes
+        self.stays = stays or {}  # position -> a tensor kept on its device, handed out as it is
+        self.moved = sum(nbytes for j, (_, _, nbytes) in enumerate(likes) if j not in self.stays)
         self._views: dict = {}
         self._pairs: dict = {}
         self._lists: dict = {}
@@ -81,8 +85,9 @@ class _Layout:
         key = (buf.data_ptr(), start)
         views = self._views.get(key)
         if views is None:
-            views = self._views[key] = [buf[start + off:start + off + nbytes].view(dtype).view(shape)
-                                        for off, (dtype, shape, nbytes) in zip(self.offsets, self.likes)]
+            views = self._views[key] = [self.stays[j] if off is None else
+                                        buf[start + off:start + off + nbytes].view(dtype).view(shape)
+                                        for j, (off, (dtype, shape, nbytes)) in enumerate(zip(self.offsets, self.likes))]
         return views
 
     @staticmethod
@@ -100,6 +105,11 @@ class HostResidentPager:
             fit in it; groups of at most a third of it let three copies overlap.
         prefetch_depth: how many groups ahead of the current one are copied in (as far as the
             buffer has room).
+        resident_bytes: how many bytes of the tensors ``zeros()`` makes stay on their device
+            instead (per device): None (none, the default), an int, or ``"auto"`` (what the device
+            has free when its first tensor is made, less the peak since and a margin:
+            :func:`.resident_set.auto_budget`). Those tensors are ordinary device memory, never
+            moved: a pass hands them out as they are, so only the others cross the host link.
 
     ``zeros()`` makes the tensors (CPU tensors, page-locked where CUDA is available);
     ``stream()`` is the pass; ``synchronize()`` waits for the last pass's copies back (after it,
@@ -108,7 +118,8 @@ class HostResidentPager:
 
     streams_states = True  # its users hand their tensors to stream() instead of stage()
 
-    def __init__(self, device_buffer_bytes: int = DEFAULT_DEVICE_BUFFER, *, prefetch_depth: int = 2):
+    def __init__(self, device_buffer_bytes: int = DEFAULT_DEVICE_BUFFER, *, prefetch_depth: int = 2,
+                 resident_bytes=None):
         if not isinstance(device_buffer_bytes, int) or isinstance(device_buffer_bytes, bool) \
                 or device_buffer_bytes < REGION_ALIGN:
             raise ValueError(f"device_buffer_bytes must be an int >= {REGION_ALIGN}, got {device_buffer_bytes!r}")
@@ -116,6 +127,7 @@ class HostResidentPager:
             raise ValueError(f"prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
         self.device_buffer_bytes = device_buffer_bytes
         self.prefetch_depth = prefetch_depth
+        self._resident = ResidentSet(resident_bytes, reserve=device_buffer_bytes)
         self.host_slab_bytes = HOST_SLAB_BYTES
         self._slab = None  # the page-locked slab small tensors are carved from, and how much of it is used
         self._slab_used = 0
@@ -128,14 +140,27 @@ class HostResidentPager:
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict:
         """Copies keep the configuration only (like PageManager)."""
-        return {"device_buffer_bytes": self.device_buffer_bytes, "prefetch_depth": self.prefetch_depth}
+        return {"device_buffer_bytes": self.device_buffer_bytes, "prefetch_depth": self.prefetch_depth,
+                "resident_bytes": self.resident_bytes}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["device_buffer_bytes"], prefetch_depth=state["prefetch_depth"])
+        self.__init__(state["device_buffer_bytes"], prefetch_depth=state["prefetch_depth"],
+                      resident_bytes=state.get("resident_bytes"))
 
     def __repr__(self) -> str:
-        return (f"HostResidentPager(device_buffer_bytes={self.device_buffer_bytes}, "
+        resident = "" if self.resident_bytes is None else f"resident_bytes={self.resident_bytes!r}, "
+        return (f"HostResidentPager(device_buffer_bytes={self.device_buffer_bytes}, {resident}"
                 f"tensors={len(self._tensors)}, host_bytes={self._host_bytes()})")
+
+    @property
+    def resident_bytes(self):
+        """The resident budget it was made with (None, an int or "auto")."""
+        return self._resident.budget
+
+    def resident_limit(self, device: DeviceLike) -> Optional[int]:
+        """The resident budget in bytes on ``device`` (for "auto", measured on first use; None:
+        unbounded, or no tensor stays resident when ``resident_bytes`` is None)."""
+        return None if self._resident.budget is None else self._resident.limit(as_device(device))
 
     # ------------------------------------------------------------------ tensors
     @staticmethod
@@ -147,10 +172,14 @@ class HostResidentPager:
         if isinstance(shape, int):
             shape = (shape,)
         shape = [int(s) for s in shape]
-        as_device(device)  # a bad device name raises here, as torch.zeros would
+        device = as_device(device)  # a bad device name raises here, as torch.zeros would
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return torch.zeros(shape, dtype=dtype)
+        if self._resident.place(nbytes, device):  # stays on its device, never moved
+            t = torch.zeros(shape, dtype=dtype, device=device)
+            self._resident.add(t, nbytes)
+            return t
         if nbytes > self.host_slab_bytes // 4:
             t = self._host_bytes_block(nbytes).view(dtype).view(shape)
         else:  # carved from a slab: tensors made one after the other lie next to each other (one copy per run)
@@ -175,7 +204,24 @@ class HostResidentPager:
         return sum(t.numel() * t.element_size() for t in list(self._tensors.values()))
 
     def tensors(self) -> list[torch.Tensor]:
+        """The host tensors it made (those it keeps on a device: ``resident_tensors()``)."""
         return list(self._tensors.values())
+
+    def grow_device_buffer(self, nbytes: int) -> bool:
+        """Make the device buffer at least ``nbytes`` (for a group that cannot be split), while no
+        pass has allocated it yet; False (nothing changed) once it exists."""
+        if self._buffers:
+            return False
+        self.device_buffer_bytes = max(self.device_buffer_bytes, int(nbytes))
+        self._resident.reserve = self.device_buffer_bytes
+        return True
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        return self._resident.tensors()
+
+    def holds_resident(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (or the tensor it views) is one that this pager keeps on its device."""
+        return self._resident.budget is not None and self._resident.holds(t)
 
     # ------------------------------------------------------------------ the calls of a PageManager's users
     def begin_step(self) -> None:
@@ -183,8 +229,9 @@ class HostResidentPager:
         self._traffic.new_step()
 
     def all_resident(self) -> bool:
-        """Never: the tensors live on the host (a user then takes its streamed path)."""
-        return False
+        """Whether every tensor it made stayed on its device (then nothing is streamed, and its
+        users take their resident path); never while it holds a host tensor."""
+        return len(self._tensors) == 0
 
     def page_out(self, tensors=None, **kwargs) -> int:
         """Nothing to do: the tensors are on the host whenever no pass runs."""
@@ -206,10 +253,15 @@ class HostResidentPager:
     def stats(self) -> PagingStats:
         host = self._host_bytes()
         traffic = self._traffic
-        return PagingStats(resident_bytes=0, host_bytes=host,
+        resident = self._resident
+        devices = {t.device for t in resident.tensors()}
+        limits = [resident.limit(d) for d in devices] if resident.budget is not None else []
+        return PagingStats(resident_bytes=resident.nbytes(), host_bytes=host,
+                           budget_bytes=(resident.budget if isinstance(resident.budget, int) else
+                                         max(limits) if limits and None not in limits else None),
                            bytes_moved_last_step=traffic.moved_in + traffic.moved_out,
                            page_in_bytes_last_step=traffic.moved_in, page_out_bytes_last_step=traffic.moved_out,
-                           paged_tensors=len(self._tensors), step=self._step,
+                           paged_tensors=len(self._tensors) + len(resident.tensors()), step=self._step,
                            device_buffer_bytes=sum(b.numel() for b in self._buffers.values()),
                            transfer_ms_last_step=self._transfer_ms())
 
@@ -246,17 +298,24 @@ class HostResidentPager:
         """Where each tensor of ``group`` goes in its region, and the copies that move the group:
         tensors that lie next to each other in one host storage (as the tensors of ``zeros()``
         do, carved one after the other from page-locked slabs) keep their relative places in the
-        region, so that each such run moves in one copy instead of one per tensor."""
+        region, so that each such run moves in one copy instead of one per tensor. Tensors it keeps
+        on their device (``holds_resident``) take no room and are handed out as they are."""
         for t in group:
+            if self.holds_resident(t):
+                continue
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(f"{where}: HostResidentPager streams contiguous host tensors, got a "
                                  f"{'non-contiguous ' if not t.is_contiguous() else ''}{t.device} tensor")
         spans = []  # (storage address, first byte, end byte, position in the group)
+        stays = []  # positions of the tensors handed out as they are
         for j, t in enumerate(group):
+            if self.holds_resident(t):
+                stays.append(j)
+                continue
             start = t.storage_offset() * t.element_size()
             spans.append((t.untyped_storage().data_ptr(), start, start + t.numel() * t.element_size(), j))
         spans.sort()
-        offsets = [0] * len(group)
+        offsets: list = [None] * len(group)
         runs = []  # (position of the run's first tensor, first byte, end byte, offset in the region)
         size = 0
         previous = None
@@ -278,7 +337,8 @@ class HostResidentPager:
             raise ValueError(f"{where} needs {size} bytes of device buffer, more than device_buffer_bytes="
                              f"{self.device_buffer_bytes}; raise the device buffer or split the group")
         likes = [(t.dtype, t.shape, t.numel() * t.element_size()) for t in group]
-        return _Layout(offsets, size, [(group[j], start, end, off) for j, start, end, off, _ in runs], likes)
+        return _Layout(offsets, size, [(group[j], start, end, off) for j, start, end, off, _ in runs], likes,
+                       {j: group[j] for j in stays})
 
     def plan_pass(self, groups: Sequence[Sequence[torch.Tensor]]) -> PassPlan:
         """Groups checked and laid out once, for passes that repeat step after step

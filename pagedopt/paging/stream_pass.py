@@ -116,6 +116,9 @@ class StreamPass:
 
     def _copy_in_group(self, k: int) -> bool:
         layout = self.layouts[k]
+        if layout.size == 0:  # every tensor of the group stays on the device: nothing to copy, no room taken
+            self._regions[k], self._ready[k] = _Region(0, 0, layout.offsets), None
+            return True
         spot = self._place(layout.size)
         if spot is None:
             return False
@@ -165,9 +168,10 @@ class StreamPass:
         traffic = self._traffic
         if self.first_event is not None and traffic.timing is None:  # the step's first pass opens its transfer time
             traffic.timing = (self.first_event, None)
-        self._be.current_stream(self.device.index).wait_event(self._ready[i])
+        if self._ready[i] is not None:
+            self._be.current_stream(self.device.index).wait_event(self._ready[i])
         self._views = self.layouts[i].views(self._buf, self._regions[i].start)
-        traffic.moved_in += sum(nbytes for _, _, nbytes in self.layouts[i].likes)
+        traffic.moved_in += self.layouts[i].moved
         return self._views
 
     def give_back(self, i: int) -> None:
@@ -175,24 +179,25 @@ class StreamPass:
         if i != self.taken or self._views is None:
             raise RuntimeError(f"StreamPass.give_back({i}): group {i} is not the one taken")
         be, traffic = self._be, self._traffic
-        done = be.new_event()
-        done.record(be.current_stream(self.device.index))
-        self._copy_back.wait_event(done)
         region = self._regions[i]
         layout = self.layouts[i]
-        marks = self._marks(i, "back", self._copy_back)
-        with be.use_stream(self._copy_back):
-            devs, hosts = layout.copy_lists(self._buf, region.start)
-            _copy_bytes(hosts, devs)
-        traffic.moved_out += sum(nbytes for _, _, nbytes in layout.likes)
-        last = region.copied_back = be.new_event()
-        last.record(self._copy_back)
-        if marks is not None:
-            marks.record(self._copy_back)
-        # the next pass (and settle) wait for it, even if this one stops here
-        traffic.last_copy_back[self.device] = last
-        self._live.remove(region)
-        self._returning.append(region)
+        if layout.size:  # a group with tensors on the host: they go back after the work queued so far
+            done = be.new_event()
+            done.record(be.current_stream(self.device.index))
+            self._copy_back.wait_event(done)
+            marks = self._marks(i, "back", self._copy_back)
+            with be.use_stream(self._copy_back):
+                devs, hosts = layout.copy_lists(self._buf, region.start)
+                _copy_bytes(hosts, devs)
+            traffic.moved_out += layout.moved
+            last = region.copied_back = be.new_event()
+            last.record(self._copy_back)
+            if marks is not None:
+                marks.record(self._copy_back)
+            # the next pass (and settle) wait for it, even if this one stops here
+            traffic.last_copy_back[self.device] = last
+            self._live.remove(region)
+            self._returning.append(region)
         if self.first_event is not None and i == len(self.groups) - 1:  # the pass's copies end here
             end_ev = be.new_timing_event()
             end_ev.record(self._copy_back)

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device call for bench/scale.py: build pagedopt._C (or reuse a carried/earlier build), then the
+# scale grid, each configuration in a process of its own; results land in $OUT (scale.json,
+# scale.md, scale.png, scale.log, build.log: five files, inside the eight a call brings back).
+#
+#   run(command="bash scripts/device_scale.sh", timeout_s=600)                       # the quick grid
+#   run(command="SCALE_ROWS=... SCALE_SHAPES=1b,3b,7b SCALE_DTYPES=bf16 bash scripts/device_scale.sh")
+#   run(command="bash scripts/device_scale.sh", carry=[".whl"])                      # with the peers' wheels
+#
+# The default quick grid (meant to fit 8 minutes on an H100, the build included; not yet timed): 7B-shaped fp32 and
+# 13B-shaped bf16 parameters, for pagedopt's resident AdamW8bit, host residency with and without
+# updates during backward, residency='auto' with updates during backward, and torch's fused AdamW.
+# Knobs (env):
+#   SCALE_ROWS     comma-separated rows of bench/scale_rows.py (python3 bench/scale.py --help lists them)
+#   SCALE_SHAPES   shapes upward, NAME or NAME:DTYPE (default 7b:fp32,13b:bf16; the whole ladder:
+#                  1b,3b,7b,10b,13b,20b,30b with SCALE_DTYPES)
+#   SCALE_DTYPES   bf16,fp32 (for shapes given without a dtype)
+#   SCALE_STEPS    training steps per configuration (default 5; the first one timed apart)
+#   SCALE_ARGS     more bench/scale.py arguments (e.g. "--budget 4GiB --no-stop")
+#   SCALE_S        the bench's time cap in seconds (default 600 - the build - 20 s); no configuration
+#                  starts in its last 60 s (--time-budget), so the tables are always written
+#   SCALE_CHILD_S  one configuration's cap in seconds (default 180)
+#   BUILD_S        the build's cap (default 330)
+# .devbuild/_C.*.so (carried): an extension built for the device's python3 and torch, used if it imports.
+# .whl/*.whl (carried): bitsandbytes and torchao for their rows, installed into /tmp/site.
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+T0=$SECONDS
+log() { echo "[device_scale +$((SECONDS - T0))s] $*"; }
+nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader
+free -g | head -2
+ok() { python3 -c "import sys, pagedopt._ops as o; sys.exit(0 if o.has_cuda_kernels() else 1)" 2>/dev/null; }
+if ls .devbuild/_C.*.so >/dev/null 2>&1; then cp .devbuild/_C.*.so pagedopt/; fi
+if ok; then log "build reused"; else
+  log "building"
+  PAGEDOPT_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 timeout "${BUILD_S:-330}" python3 setup.py build_ext --inplace \
+    > "$OUT/build.log" 2>&1
+  ok || { log "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1; }
+  log "built"
+fi
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site && log "wheels installed: $(ls .whl | tr '\n' ' ')"
+fi
+LEFT=$(( ${SCALE_S:-$(( 600 - (SECONDS - T0) - 20 ))} ))
+if [ "$LEFT" -lt 90 ]; then log "only ${LEFT} s left after the build: not running the grid"; exit 1; fi
+log "scale: ${LEFT} s"
+timeout "$LEFT" python3 bench/scale.py --out "$OUT" --time-budget $(( LEFT - 60 )) --timeout "${SCALE_CHILD_S:-180}" \
+  --rows "${SCALE_ROWS:-pagedopt_adamw8bit,pagedopt_paged_adamw8bit_host,pagedopt_paged_adamw8bit_host_bwd,pagedopt_paged_adamw8bit_auto_bwd,torch_adamw_fused}" \
+  --shapes "${SCALE_SHAPES:-7b:fp32,13b:bf16}" --dtypes "${SCALE_DTYPES:-bf16,fp32}" --steps "${SCALE_STEPS:-5}" \
+  ${SCALE_ARGS:-} 2>&1 | tee "$OUT/scale.log" | grep -v -e "Warning" -e "warnings.warn"
+log "scale rc=${PIPESTATUS[0]}"
