@@ -97,7 +97,8 @@ class Mutant:
 
     @property
     def is_cpp(self) -> bool:
-        return not self.file.endswith(".py")
+        """A mutant of the extension's sources, which needs a rebuild (not one of Python or a document)."""
+        return self.file.startswith("csrc/") or self.file.endswith((".cpp", ".cc", ".cu", ".cuh", ".h", ".hpp"))
 
 
 @dataclass

@@ -52,3 +52,15 @@ def run_kwargs(output_dir: str, max_steps: int, save_steps: int, seed: int) -> d
     return dict(output_dir=output_dir, max_steps=max_steps, save_strategy="steps", save_steps=save_steps,
                 per_device_train_batch_size=BATCH, use_cpu=True, report_to=[], seed=seed,
                 logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+
+
+def make_tokenizer():
+    """A word-level tokenizer over the VOCAB ids, made here (no hub): TRL's SFTTrainer needs one for
+    its pad token even when the data set is already token ids. Id 0 pads, 1 ends a sequence."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")

@@ -137,9 +137,11 @@ def test_quick_start_says_what_each_command_installs():
         with open(os.path.join(REPO, "scripts", script)) as f:
             text = f.read()
         found = set()
+        defaults = dict(re.findall(r'(\w+_VERSION)=\$\{\1:-([^}]+)\}', text))  # NAME_VERSION=${NAME_VERSION:-v}
         for line in re.findall(r'(?:MISSING=|<<<")\$\("\$PY" scripts/missing_packages\.py ([^)]*)\)', text):
-            words = [w.strip('"').replace("$TRANSFORMERS_VERSION", "5.25.0").replace("$ACCELERATE_VERSION", "1.16.0")
-                     .replace("$DEEPSPEED_VERSION", "0.19.8") for w in line.split()]
+            words = [w.strip('"') for w in line.split()]
+            for var, version in defaults.items():
+                words = [w.replace(f"${var}", version) for w in words]
             if "--editable-build" in words:  # what the editable install needs (missing_packages.py)
                 words += ["setuptools>=64", "wheel"]
             found |= {w for w in words if not w.startswith("-")}
@@ -149,7 +151,7 @@ def test_quick_start_says_what_each_command_installs():
     demo, tests = installed("setup.sh"), installed("setup_tests.sh")
     assert demo == {"torch==2.14.1", "ninja", "tqdm", "setuptools>=64", "wheel"}
     assert tests >= {"pytest", "hypothesis", "matplotlib", "transformers==5.25.0", "accelerate==1.16.0",
-                     "deepspeed==0.19.8"}
+                     "deepspeed==0.19.8", "peft==0.21.2", "trl==1.16.0", "lightning==2.6.6"}
     table = re.search(r"^\| \| `make demo`.*?\n\n", quick_start(), re.S | re.M).group(0)
     columns = [row.split("|")[2:4] for row in table.splitlines() if row.startswith("| packages")]
     (demo_column, tests_column), = columns
