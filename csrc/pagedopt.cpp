@@ -32,16 +32,28 @@ TORCH_LIBRARY(pagedopt, m) {
   // `lr` (a one-element float32 or float64 tensor on the parameters' device): the learning rate,
   // read by the kernel in place of hyper[0] (every algorithm's first hyperparameter), so that a
   // step captured in a CUDA graph reads the value the tensor holds at each replay (capturable=True).
+  // `sr_ids` (one per parameter): bfloat16 parameters are rounded stochastically
+  // (pagedopt/stochastic_round.h) with the random bits of (sr_seed, sr_ids[i], steps[i], element
+  // index), the index counted from sr_offsets[i] (default 0), the position of params[i]'s first
+  // element in its whole parameter when params[i] is a piece of it (or a DTensor's local shard).
+  // Parameters of other dtypes are stored rounded to nearest, as without it.
   m.def(
       "quantized_step_(str algorithm, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, "
       "Tensor(c!)[] absmax, Tensor[] steps, Tensor[] qmaps, float[] hyper, Tensor? grad_scale, "
-      "Tensor? found_inf, Tensor? scales=None, Tensor? lr=None) -> ()");
+      "Tensor? found_inf, Tensor? scales=None, Tensor? lr=None, int[]? sr_ids=None, int[]? sr_offsets=None, "
+      "int sr_seed=0) -> ()");
 
-  // The same step with the states, steps and codebooks held by a QuantizedStateList.
+  // The same step with the states, steps and codebooks held by a QuantizedStateList; with `sr_seed`,
+  // stochastic rounding with the ids and offsets the list holds (set_sr_ids).
   m.def(
       "quantized_step_list_(__torch__.torch.classes.pagedopt.QuantizedStateList states, Tensor(a!)[] params, "
       "Tensor[] grads, float[] hyper, Tensor? grad_scale, Tensor? found_inf, Tensor? scales=None, "
-      "Tensor? lr=None) -> ()");
+      "Tensor? lr=None, int? sr_seed=None) -> ()");
+
+  // float32 x rounded to bfloat16 stochastically as quantized_step_ rounds a parameter: element i
+  // with the random bits of (seed, id, step, offset + i) (pagedopt/stochastic_round.h). `step`: a
+  // float32 one-element tensor on x's device (read there), offset >= 0.
+  m.def("stochastic_round_bf16(Tensor x, Tensor step, int seed, int id, int offset=0) -> Tensor");
 
   // The first pass of the algorithms whose update is scaled per tensor by its norm (lars, lamb):
   // writes into `norms` (float64, one per parameter) the sum of squares of each parameter's update

@@ -41,28 +41,42 @@ def quantized_step_(algorithm: str, params: Sequence[torch.Tensor], grads: Seque
                     states: Sequence[Sequence[torch.Tensor]], absmax: Sequence[Sequence[torch.Tensor]], steps,
                     qmaps: Sequence[torch.Tensor], hyper: Sequence[float], *,
                     grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None,
-                    scales: Optional[torch.Tensor] = None, lr: Optional[torch.Tensor] = None) -> None:
+                    scales: Optional[torch.Tensor] = None, lr: Optional[torch.Tensor] = None,
+                    sr_ids: Optional[Sequence[int]] = None, sr_offsets: Optional[Sequence[int]] = None,
+                    sr_seed: int = 0) -> None:
     """One fused step of the generic engine (csrc/include/pagedopt/algorithms.h). ``states`` and
     ``absmax`` hold one list per state key (``absmax`` and ``qmaps`` empty for 32-bit states);
     ``scales``: the per-tensor update scales of lars and lamb; ``lr``: a one-element tensor on the
-    parameters' device that the kernel reads in place of ``hyper[0]`` (capturable steps)."""
+    parameters' device that the kernel reads in place of ``hyper[0]`` (capturable steps).
+    ``sr_ids`` (one per parameter): bf16 parameters are rounded stochastically with the bits of
+    (``sr_seed``, ``sr_ids[i]``, ``steps[i]``, element index counted from ``sr_offsets[i]``)."""
     ops.quantized_step_(algorithm, list(params), list(grads), [t for key in states for t in key],
                         [t for key in absmax for t in key], list(steps), list(qmaps), [float(h) for h in hyper],
-                        grad_scale, found_inf, scales, lr)
+                        grad_scale, found_inf, scales, lr, None if sr_ids is None else list(sr_ids),
+                        None if sr_offsets is None else list(sr_offsets), sr_seed)
+
+
+def stochastic_round_bf16(x: torch.Tensor, step: torch.Tensor, seed: int, id: int, offset: int = 0) -> torch.Tensor:
+    """float32 ``x`` rounded to bfloat16 stochastically, element i with the random bits of
+    (``seed``, ``id``, ``step``, ``offset + i``): the bits quantized_step_ rounds parameter ``id``'s
+    element ``offset + i`` with at that step (csrc/include/pagedopt/stochastic_round.h)."""
+    return ops.stochastic_round_bf16(x, step, seed, id, offset)
 
 
 def quantized_step_list_(held, params: list, grads: list, hyper: list, grad_scale: Optional[torch.Tensor] = None,
-                         found_inf: Optional[torch.Tensor] = None, lr: Optional[torch.Tensor] = None) -> None:
+                         found_inf: Optional[torch.Tensor] = None, lr: Optional[torch.Tensor] = None,
+                         sr_seed: Optional[int] = None) -> None:
     """quantized_step_ on the states that ``held`` (a torch.classes.pagedopt.QuantizedStateList)
     holds. An eager call with a real held object goes straight to the op's C++ entry point:
     torch's Python entry point of an op with a custom-class argument first walks every element of
     every list argument, looking for a fake object (for tracing): measured on a 2-core CPU machine,
     2.00 ms against 1.45 ms per call for 2000 one-element parameters (about 0.14 us per tensor of
-    the two lists). Under tracing (a FakeScriptObject) it goes the usual way."""
+    the two lists). Under tracing (a FakeScriptObject) it goes the usual way. ``sr_seed``:
+    stochastic rounding of bf16 parameters with the ids and offsets ``held`` holds (``set_sr_ids``)."""
     if isinstance(held, torch.ScriptObject):
-        _QUANTIZED_STEP_LIST(held, params, grads, hyper, grad_scale, found_inf, None, lr)
+        _QUANTIZED_STEP_LIST(held, params, grads, hyper, grad_scale, found_inf, None, lr, sr_seed)
     else:
-        ops.quantized_step_list_(held, params, grads, hyper, grad_scale, found_inf, None, lr)
+        ops.quantized_step_list_(held, params, grads, hyper, grad_scale, found_inf, None, lr, sr_seed)
 
 
 _QUANTIZED_STEP_LIST = ops.quantized_step_list_.default._op
@@ -164,9 +178,16 @@ def _residency_fake(t):
 
 @torch.library.register_fake("pagedopt::quantized_step_")
 def _quantized_step_fake(algorithm, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf,
-                         scales=None, lr=None):
+                         scales=None, lr=None, sr_ids=None, sr_offsets=None, sr_seed=0):
     torch._check(len(grads) == len(params) and len(steps) == len(params))
+    torch._check(sr_ids is None or len(sr_ids) == len(params))
     return None
+
+
+@torch.library.register_fake("pagedopt::stochastic_round_bf16")
+def _stochastic_round_bf16_fake(x, step, seed, id, offset=0):
+    torch._check(x.dtype == torch.float32, lambda: f"stochastic_round_bf16: x must be float32, got {x.dtype}")
+    return torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
 
 
 @torch.library.register_fake("pagedopt::quantized_update_norm_")
@@ -181,8 +202,9 @@ class FakeQuantizedStateList:
     """What tracing (torch.compile, torch.export, opcheck) sees of a torch.classes.pagedopt.QuantizedStateList:
     the held states, steps and codebooks as fake tensors (from the C++ ``__obj_flatten__``)."""
 
-    def __init__(self, algorithm, states, absmax, steps, qmaps):
+    def __init__(self, algorithm, states, absmax, steps, qmaps, sr_ids=(), sr_offsets=()):
         self.algorithm, self.states, self.absmax, self.steps, self.qmaps = algorithm, states, absmax, steps, qmaps
+        self.sr_ids, self.sr_offsets = list(sr_ids), list(sr_offsets)
 
     @classmethod
     def __obj_unflatten__(cls, flattened):
@@ -193,7 +215,8 @@ class FakeQuantizedStateList:
 
 
 @torch.library.register_fake("pagedopt::quantized_step_list_")
-def _quantized_step_list_fake(states, params, grads, hyper, grad_scale, found_inf, scales=None, lr=None):
+def _quantized_step_list_fake(states, params, grads, hyper, grad_scale, found_inf, scales=None, lr=None,
+                              sr_seed=None):
     # The states held by `states` are updated in place too, which a schema cannot annotate (they
     # are inside a custom class): a traced graph sees this op as mutating params only (it is
     # auto-functionalized; an op with mutable arguments gets no effect token), so a graph that also

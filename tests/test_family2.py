@@ -115,7 +115,7 @@ def expected_signature(name):
               ("eps", 1e-10), ("optim_bits", 8 if name == "Adagrad8bit" else 32)]
     ps += [("args", None), ("min_8bit_size", 4096)]
     ps += [("percentile_clipping", 100), ("block_wise", True)] if old else []
-    return ps + [("capturable", False)]  # pagedopt's own, last (README: CUDA graphs)
+    return ps + [("capturable", False), ("bf16_stochastic_round", False)]  # pagedopt's own, last (README)
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -104,7 +104,7 @@ def expected_signature(name):
         ps += [("optim_bits", 32)] if base == "AdEMAMix" else []
         ps += [("min_8bit_size", 4096)]
     ps += [] if name.startswith("Paged") else [("is_paged", False)]
-    return ps + [("capturable", False)]  # pagedopt's own, last (README: CUDA graphs)
+    return ps + [("capturable", False), ("bf16_stochastic_round", False)]  # pagedopt's own, last (README)
 
 
 @pytest.mark.parametrize("name", ALL)

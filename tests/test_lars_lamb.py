@@ -154,9 +154,9 @@ def test_max_unorm_changes_lamb32bit_and_lamb8bit_refuses_it():
 
 def test_signatures_follow_bitsandbytes():
     lars = ["params", "lr", "momentum", "dampening", "weight_decay", "nesterov", "optim_bits", "args", "min_8bit_size",
-            "percentile_clipping", "max_unorm", "capturable"]  # capturable: pagedopt's own, last
+            "percentile_clipping", "max_unorm", "capturable", "bf16_stochastic_round"]  # pagedopt's own, last
     lamb = ["params", "lr", "bias_correction", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "optim_bits",
-            "args", "min_8bit_size", "percentile_clipping", "block_wise", "max_unorm", "capturable"]
+            "args", "min_8bit_size", "percentile_clipping", "block_wise", "max_unorm", "capturable", "bf16_stochastic_round"]
     for name, expected in (("LARS", lars), ("LAMB", lamb)):
         for suffix in ("", "8bit", "32bit"):
             params = inspect.signature(getattr(pagedopt, name + suffix)).parameters

@@ -31,7 +31,8 @@ def set_grads(params, seed):
 @pytest.mark.parametrize("cls", ALL_CLASSES)
 def test_signature_matches_bitsandbytes(cls):
     names = list(inspect.signature(cls.__init__).parameters)[1:]
-    expected = BNB_ARGS + ([] if cls.__name__.startswith("Paged") else ["is_paged"]) + ["capturable"]  # pagedopt's
+    expected = BNB_ARGS + ([] if cls.__name__.startswith("Paged") else ["is_paged"]) + ["capturable",
+                                                                                        "bf16_stochastic_round"]  # pagedopt's
     assert names == expected
     wd = inspect.signature(cls.__init__).parameters["weight_decay"].default
     assert wd == (1e-2 if "AdamW" in cls.__name__ else 0)

@@ -90,7 +90,7 @@ def expected_keys(name: str) -> set:
         keys.add("optim_bits")
     if not name.endswith("32bit"):
         keys |= {"min_8bit_size", "embeddings_32bit"}
-    return keys
+    return keys | {"bf16_stochastic_round"}
 
 
 def inner(optimizer):

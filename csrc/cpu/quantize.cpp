@@ -9,6 +9,7 @@
 
 #include "pagedopt/checks.h"
 #include "pagedopt/codebook.h"
+#include "pagedopt/stochastic_round.h"
 
 namespace pagedopt {
 namespace {
@@ -65,11 +66,31 @@ at::Tensor dequantize_blockwise_cpu(const at::Tensor& codes_in, const at::Tensor
   return out;
 }
 
+// x rounded to bfloat16 stochastically (pagedopt/stochastic_round.h), element i with the bits of
+// index offset + i of parameter `id` at step `step`.
+at::Tensor stochastic_round_bf16_cpu(const at::Tensor& x_in, const at::Tensor& step, int64_t seed, int64_t id,
+                                     int64_t offset) {
+  check_stochastic_round_bf16_args(x_in, step, offset);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  const int64_t n = x.numel();
+  const uint64_t stream = sr_stream(sr_key(static_cast<uint64_t>(seed), static_cast<uint64_t>(id)), step.item<float>());
+  const float* xs = x.data_ptr<float>();
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      o[i] = round_bf16_stochastic(xs[i], sr_bits(stream, static_cast<uint64_t>(offset + i)));
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pagedopt, CPU, m) {
   m.impl("quantize_blockwise", &quantize_blockwise_cpu);
   m.impl("dequantize_blockwise", &dequantize_blockwise_cpu);
+  m.impl("stochastic_round_bf16", &stochastic_round_bf16_cpu);
 }
 
 }  // namespace pagedopt

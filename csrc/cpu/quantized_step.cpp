@@ -10,12 +10,14 @@
 #include <algorithm>
 #include <array>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "pagedopt/algorithms.h"
 #include "pagedopt/checks.h"
 #include "pagedopt/codebook.h"
 #include "pagedopt/quantized_state_list.h"
+#include "pagedopt/stochastic_round.h"
 
 namespace pagedopt {
 namespace {
@@ -37,9 +39,29 @@ inline void load_moments(const MomentPointers<M>& mp, int64_t i, int64_t b, floa
   }
 }
 
+// One tensor's stochastic rounding (pagedopt/stochastic_round.h): its stream at this step and the
+// index of its first element in the whole parameter.
+struct SrTensor {
+  uint64_t stream;
+  int64_t offset;
+};
+
+// Element i's new value as a parameter of type T: bf16 rounded stochastically when `sr` is given,
+// else rounded to nearest even (c10's conversion).
+template <typename T>
+inline T param_value(float x, const SrTensor* sr, int64_t i) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (sr != nullptr) {
+      const uint32_t r = sr_bits(sr->stream, static_cast<uint64_t>(sr->offset + i));
+      return c10::BFloat16(round_bf16_stochastic(x, r), c10::BFloat16::from_bits());
+    }
+  }
+  return static_cast<T>(x);
+}
+
 template <typename Algo, typename scalar_t, bool kEightBit>
 void step_tensor(scalar_t* p, const scalar_t* g, int64_t n, const MomentPointers<Algo::kMoments>& mp,
-                 const typename Algo::Constants& c, float inv_scale) {
+                 const typename Algo::Constants& c, float inv_scale, const SrTensor* sr) {
   constexpr int M = Algo::kMoments;
   const int64_t blocks = ceil_div(n, kStateBlockSize);
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
@@ -53,7 +75,7 @@ void step_tensor(scalar_t* p, const scalar_t* g, int64_t n, const MomentPointers
         float s[M];
         load_moments<M, kEightBit>(mp, i, b, s);
         const float gf = static_cast<float>(g[i]) * inv_scale;
-        p[i] = static_cast<scalar_t>(Algo::update(static_cast<float>(p[i]), gf, s, c));
+        p[i] = param_value<scalar_t>(Algo::update(static_cast<float>(p[i]), gf, s, c), sr, i);
         if (kEightBit) {
           const bool counts = element_counts_for_absmax<Algo>(s);
           for (int k = 0; k < M; ++k) {
@@ -130,7 +152,7 @@ void quantized_step_cpu_unchecked(const std::string& name, at::TensorList params
                                   at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
                                   const std::optional<at::Tensor>& grad_scale,
                                   const std::optional<at::Tensor>& found_inf,
-                                  const std::optional<at::Tensor>& scales) {
+                                  const std::optional<at::Tensor>& scales, const SrArgs& sr) {
   if (found_inf.has_value() && found_inf->item<float>() != 0.0f) return;
   with_algorithm(name, [&](auto algo) {
     using Algo = decltype(algo);
@@ -144,17 +166,21 @@ void quantized_step_cpu_unchecked(const std::string& name, at::TensorList params
       const int64_t numel = params[i].numel();
       if (numel == 0) continue;
       const MomentPointers<M> mp = moment_pointers<Algo>(states, absmax, qmaps, n, i, numel, eight_bit);
-      auto c = Algo::constants(h, static_cast<double>(steps[i].item<float>()));
+      const float step = steps[i].item<float>();
+      auto c = Algo::constants(h, static_cast<double>(step));
       if constexpr (has_update_norm<Algo>::value) {
         if (scales.has_value()) c.update_scale = scales->data_ptr<float>()[i];
       }
+      // bf16 parameters only: the others are stored rounded to nearest, as without it
+      const SrTensor sr_tensor{sr.on ? sr_stream(sr.key(i), step) : 0, sr.on ? sr.offset(i) : 0};
+      const SrTensor* sr_i = sr.on && params[i].scalar_type() == at::kBFloat16 ? &sr_tensor : nullptr;
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[i].scalar_type(), "quantized_step_cpu", [&] {
         auto* p = params[i].data_ptr<scalar_t>();
         const auto* g = grads[i].data_ptr<scalar_t>();
         if (eight_bit) {
-          step_tensor<Algo, scalar_t, true>(p, g, numel, mp, c, inv_scale);
+          step_tensor<Algo, scalar_t, true>(p, g, numel, mp, c, inv_scale, sr_i);
         } else {
-          step_tensor<Algo, scalar_t, false>(p, g, numel, mp, c, inv_scale);
+          step_tensor<Algo, scalar_t, false>(p, g, numel, mp, c, inv_scale, sr_i);
         }
       });
     }
@@ -172,13 +198,15 @@ void quantized_step_cpu(c10::string_view algorithm, at::TensorList params, at::T
                         at::TensorList states, at::TensorList absmax, at::TensorList steps, at::TensorList qmaps,
                         c10::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_scale,
                         const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& scales,
-                        const std::optional<at::Tensor>& lr) {
+                        const std::optional<at::Tensor>& lr, at::OptionalIntArrayRef sr_ids,
+                        at::OptionalIntArrayRef sr_offsets, int64_t sr_seed) {
   const std::string name(algorithm);
   const bool eight_bit =
       check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf, scales);
   check_lr_tensor(lr, params, "quantized_step_");
+  const SrArgs sr = check_stochastic_round(sr_ids, sr_offsets, sr_seed, params.size(), "quantized_step_");
   quantized_step_cpu_unchecked(name, params, grads, states, absmax, steps, qmaps, hyper_with_lr(hyper, lr), eight_bit,
-                               grad_scale, found_inf, scales);
+                               grad_scale, found_inf, scales, sr);
 }
 
 void quantized_update_norm_cpu(c10::string_view algorithm, at::TensorList params, at::TensorList grads,

@@ -20,6 +20,7 @@
 // An element counts toward its block's absmaxes only if all its new moments are finite
 // (counts_for_absmax, as on the CPU).
 #include <cstdint>
+#include <type_traits>
 
 #include "code_table.cuh"
 #include "element_io.cuh"
@@ -43,7 +44,9 @@ struct TensorMeta {
   const float* scale;  // the tensor's update scale (lars, lamb), or nullptr
   double* norm;        // the norm pass's output for the tensor, or nullptr
   int64_t numel;
-  int64_t vec_ok;  // p, g 16-byte aligned and every moment's codes 8-byte aligned
+  int64_t vec_ok;     // p, g 16-byte aligned and every moment's codes 8-byte aligned
+  uint64_t sr_key;    // stochastic rounding: sr_key(seed, id) (pagedopt/stochastic_round.h)
+  int64_t sr_offset;  // and the index of the tensor's first element in its parameter
 };
 
 template <typename Algo>
@@ -60,7 +63,18 @@ struct StepArgs {
   OptimizerHyper hyper;
   const float* lr_f32;      // the learning rate in place of hyper.v[0] (capturable steps), or nullptr
   const double* lr_f64;     // likewise, a float64 lr tensor
+  const uint64_t* sr_streams;  // parallel to meta: each tensor's stream (setup kernel), or nullptr: no
+                               // stochastic rounding in this call
 };
+
+// Tensor t's parameter rounding: stochastic for bf16 parameters of a call with streams.
+template <typename T, typename Algo>
+__device__ __forceinline__ ParamRounding param_rounding(const StepArgs<Algo>& args, const TensorMeta& m, int t) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (args.sr_streams != nullptr) return ParamRounding{args.sr_streams + t, m.sr_offset};
+  }
+  return ParamRounding{nullptr, 0};
+}
 
 // 1024 threads of 64 registers; an algorithm with three moments holds 24 of them per lane and
 // gets 768 threads of 85 registers instead (with 64 it spills about 100 bytes a thread).
@@ -146,7 +160,8 @@ __device__ __forceinline__ float element_update(float p, float g, float (&s)[Alg
 // A full, aligned block: the vector layout, lane owns elements [8 lane, 8 lane + 8).
 template <typename Algo, typename T, bool kFast>
 __device__ __forceinline__ void full_block(const TensorMeta& m, const typename Algo::Constants& c, int64_t lb,
-                                           int lane, const SmemView<Algo::kKeys>& sm, float inv_scale) {
+                                           int lane, const SmemView<Algo::kKeys>& sm, float inv_scale,
+                                           const ParamRounding& rounding) {
   constexpr int M = Algo::kMoments;
   const int64_t i0 = lb * kBlock + lane * 8;
   T* p = static_cast<T*>(m.p) + i0;
@@ -175,7 +190,7 @@ __device__ __forceinline__ void full_block(const TensorMeta& m, const typename A
 #pragma unroll
     for (int j = 0; j < M; ++j) mx[j] = fmaxf(mx[j], counts ? fabsf(s[k][j]) : 0.0f);
   }
-  Elem<T>::store8(p, pv);
+  store8_param<T>(p, pv, rounding, i0);
 #pragma unroll
   for (int j = 0; j < M; ++j) {
     // block_scale's two steps apart: the reciprocal taken where the codes are (taken before the
@@ -196,7 +211,8 @@ __device__ __forceinline__ void full_block(const TensorMeta& m, const typename A
 // passes (see the top).
 template <typename Algo, typename T, bool kFast>
 __device__ __forceinline__ void partial_block(const TensorMeta& m, const typename Algo::Constants& c, int64_t lb,
-                                              int lane, const SmemView<Algo::kKeys>& sm, float inv_scale) {
+                                              int lane, const SmemView<Algo::kKeys>& sm, float inv_scale,
+                                              const ParamRounding& rounding) {
   constexpr int M = Algo::kMoments;
   const int64_t lo = lb * kBlock;
   T* p = static_cast<T*>(m.p);
@@ -232,7 +248,7 @@ __device__ __forceinline__ void partial_block(const TensorMeta& m, const typenam
     float s[M];
     const float pn =
         element_update<Algo>(Elem<T>::load(p + i), Elem<T>::load(g + i) * inv_scale, s, q, old_absmax, sm, c);
-    Elem<T>::store(p + i, pn);  // element i is read and written by this lane only
+    store_param<T>(p + i, pn, rounding, i);  // element i is read and written by this lane only
 #pragma unroll
     for (int j = 0; j < M; ++j) moment_codes<Algo>(m, j)[i] = code_of<kFast>(sm.code[Algo::key_of(j)], s[j], inv[j]);
   });
@@ -266,10 +282,11 @@ __device__ __forceinline__ void warp_loop(const StepArgs<Algo>& args, const Smem
     const TensorMeta& m = args.meta[t];
     const int64_t lb = b - t_begin;
     if ((lb + 2) * kBlock <= m.numel && b + 1 < end) prefetch_block<Algo, T>(m, lb + 1, lane);  // the next block
+    const ParamRounding rounding = param_rounding<T>(args, m, t);
     if (m.vec_ok != 0 && (lb + 1) * kBlock <= m.numel) {
-      full_block<Algo, T, kFast>(m, args.consts[t], lb, lane, sm, inv_scale);
+      full_block<Algo, T, kFast>(m, args.consts[t], lb, lane, sm, inv_scale, rounding);
     } else {
-      partial_block<Algo, T, kFast>(m, args.consts[t], lb, lane, sm, inv_scale);
+      partial_block<Algo, T, kFast>(m, args.consts[t], lb, lane, sm, inv_scale, rounding);
     }
   }
 }

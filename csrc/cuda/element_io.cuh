@@ -10,6 +10,9 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <type_traits>
+
+#include "pagedopt/stochastic_round.h"
 
 namespace pagedopt {
 namespace cuda_detail {
@@ -80,6 +83,62 @@ template <>
 struct Elem<c10::BFloat16> : Elem16<c10::BFloat16, bf16_bits_to_float, float_to_bf16_bits> {};
 template <>
 struct Elem<c10::Half> : Elem16<c10::Half, half_bits_to_float, float_to_half_bits> {};
+
+// ---------------------------------------------------------------------------------------------
+// Parameter stores of the optimizer kernels: a bf16 parameter of a tensor with a stream
+// (bf16_stochastic_round) is rounded stochastically (pagedopt/stochastic_round.h) with the random
+// bits of its index in the whole parameter; every other store rounds to nearest (Elem<T>).
+// ---------------------------------------------------------------------------------------------
+struct ParamRounding {
+  const uint64_t* stream;  // the tensor's stream at this step, or nullptr: round to nearest
+  int64_t offset;          // the index of the tensor's first element in its parameter
+};
+
+// Element i of the tensor.
+template <typename T>
+__device__ __forceinline__ void store_param(T* p, float x, const ParamRounding& r, int64_t i) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (r.stream != nullptr) {
+      *reinterpret_cast<uint16_t*>(p) =
+          round_bf16_stochastic(x, sr_bits(*r.stream, static_cast<uint64_t>(r.offset + i)));
+      return;
+    }
+  }
+  Elem<T>::store(p, x);
+}
+
+// Elements i .. i + 7 of the tensor, as Elem<T>::store8: two hashes of four elements each when
+// the first one's index in the parameter is a multiple of 4 (always, but for a DTensor shard
+// starting elsewhere), else one per element.
+template <typename T>
+__device__ __forceinline__ void store8_param(T* p, const float (&x)[8], const ParamRounding& r, int64_t i) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (r.stream != nullptr) {
+      const uint64_t stream = *r.stream;
+      const uint64_t first = static_cast<uint64_t>(r.offset + i);
+      uint32_t w[4];
+      if ((first & 3) == 0) {
+        const uint64_t h[2] = {sr_bits4(stream, first >> 2), sr_bits4(stream, (first >> 2) + 1)};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {  // elements 2k, 2k + 1: fields 2 (k % 2), 2 (k % 2) + 1 of hash k / 2
+          const uint64_t bits = h[k / 2] >> (32 * (k % 2));
+          w[k] = static_cast<uint32_t>(round_bf16_stochastic(x[2 * k], static_cast<uint32_t>(bits) & 0xffffu)) |
+                 (static_cast<uint32_t>(round_bf16_stochastic(x[2 * k + 1], static_cast<uint32_t>(bits >> 16) & 0xffffu))
+                  << 16);
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          w[k] = static_cast<uint32_t>(round_bf16_stochastic(x[2 * k], sr_bits(stream, first + 2 * k))) |
+                 (static_cast<uint32_t>(round_bf16_stochastic(x[2 * k + 1], sr_bits(stream, first + 2 * k + 1))) << 16);
+        }
+      }
+      __stcs(reinterpret_cast<uint4*>(p), make_uint4(w[0], w[1], w[2], w[3]));
+      return;
+    }
+  }
+  Elem<T>::store8(p, x);
+}
 
 __device__ __forceinline__ uint32_t byte_of(uint2 w, int k) {
   return __byte_perm(k < 4 ? w.x : w.y, 0u, 0x4440u | static_cast<uint32_t>(k & 3));

@@ -141,6 +141,19 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __r
   }
 }
 
+// stochastic_round_bf16: a grid-stride walk over the elements, element i with the bits of index
+// offset + i. The stream comes from the step count read on the device.
+__global__ void __launch_bounds__(kThreads) stochastic_round_bf16_kernel(const float* __restrict__ x,
+                                                                        uint16_t* __restrict__ out, int64_t n,
+                                                                        uint64_t key, const float* __restrict__ step,
+                                                                        int64_t offset) {
+  const uint64_t stream = sr_stream(key, *step);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = round_bf16_stochastic(x[i], sr_bits(stream, static_cast<uint64_t>(offset + i)));
+  }
+}
+
 int grid_for(int64_t work_items, int per_block, int blocks_per_sm) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want = ceil_div(work_items, per_block);
@@ -229,5 +242,20 @@ at::Tensor dequantize_blockwise_cuda_unchecked(const at::Tensor& codes_in, const
   return out;
 }
 
+at::Tensor stochastic_round_bf16_cuda_unchecked(const at::Tensor& x_in, const at::Tensor& step, int64_t seed, int64_t id,
+                                                int64_t offset) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  const int64_t n = x.numel();
+  if (n == 0) return out;
+  const uint64_t key = sr_key(static_cast<uint64_t>(seed), static_cast<uint64_t>(id));
+  stochastic_round_bf16_kernel<<<grid_for(n, kThreads, 8), kThreads, 0,
+                                 at::cuda::getCurrentCUDAStream()>>>(
+      x.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, key, step.data_ptr<float>(),
+      offset);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
 
 }  // namespace pagedopt

@@ -63,12 +63,14 @@ __device__ __forceinline__ int owner_of(const int64_t* __restrict__ starts, int 
 
 // ---------------------------------------------------------------------------------------------
 // Setup: blocks [0, K * kTableBlocks) build the codebooks' search tables (8-bit states), the rest
-// compute each tensor's constants from its step count (and the update scale, for LARS and LAMB).
+// compute each tensor's constants from its step count (and the update scale, for LARS and LAMB) and,
+// with stochastic rounding, its stream (pagedopt/stochastic_round.h).
 // ---------------------------------------------------------------------------------------------
 template <typename Algo>
 __global__ void __launch_bounds__(kTableThreads) engine_setup_kernel(const StepArgs<Algo> args, int table_blocks,
                                                                      int ntensors,
-                                                                     typename Algo::Constants* __restrict__ consts) {
+                                                                     typename Algo::Constants* __restrict__ consts,
+                                                                     uint64_t* __restrict__ streams) {
   if (static_cast<int>(blockIdx.x) < table_blocks) {
     const int key = blockIdx.x / kTableBlocks;
     build_code_table_block(args.qmap[key], args.tables + key, blockIdx.x % kTableBlocks);
@@ -85,6 +87,7 @@ __global__ void __launch_bounds__(kTableThreads) engine_setup_kernel(const StepA
     if (m.scale != nullptr) c.update_scale = *m.scale;
   }
   consts[i] = c;
+  if (streams != nullptr) streams[i] = sr_stream(m.sr_key, *m.step);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -143,7 +146,8 @@ __global__ void __launch_bounds__(kPlainThreads) fp32_state_step_kernel(const St
       if (i < n) {
         float s[M];
         load_moments<Algo, false>(m, nullptr, i, lb, s);
-        Elem<T>::store(p + i, Algo::update(Elem<T>::load(p + i), Elem<T>::load(g + i) * inv_scale, s, c));
+        store_param<T>(p + i, Algo::update(Elem<T>::load(p + i), Elem<T>::load(g + i) * inv_scale, s, c),
+                       param_rounding<T>(args, m, t), i);
 #pragma unroll
         for (int j = 0; j < M; ++j) static_cast<float*>(m.state[Algo::key_of(j)])[Algo::stack_of(j) * n + i] = s[j];
       }
@@ -299,7 +303,7 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
                     at::TensorList steps, at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
                     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
                     const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& norms,
-                    const std::optional<at::Tensor>& lr) {
+                    const std::optional<at::Tensor>& lr, const SrArgs& sr) {
   static_assert(Algo::kKeys <= kMaxKeys, "raise kMaxKeys");
   using Constants = typename Algo::Constants;
   const size_t n = params.size();
@@ -356,6 +360,8 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
       m.step = steps[i].data_ptr<float>();
       m.scale = scales.has_value() ? scales->data_ptr<float>() + i : nullptr;
       m.norm = norms.has_value() ? norms->data_ptr<double>() + i : nullptr;
+      m.sr_key = sr.on ? sr.key(i) : 0;
+      m.sr_offset = sr.on ? sr.offset(i) : 0;
       acc += ceil_div(m.numel, kStateBlockSize);
       hstarts[si++] = acc;
     }
@@ -369,13 +375,17 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
   const auto* dmeta = reinterpret_cast<const TensorMeta*>(dev.data_ptr());
   const auto* dstarts = reinterpret_cast<const int64_t*>(static_cast<const uint8_t*>(dev.data_ptr()) + meta_bytes);
 
-  // Work buffer: [K code tables (8-bit steps)][constants per tensor].
+  // Work buffer: [K code tables (8-bit steps)][stream per tensor (stochastic rounding)][constants per tensor].
   const bool tables = eight_bit && !norms.has_value();
+  const bool rounding = sr.on && !norms.has_value();
   const size_t tables_bytes = tables ? Algo::kKeys * sizeof(CodeTable) : 0;
-  at::Tensor work = at::empty({static_cast<int64_t>(tables_bytes + total * sizeof(Constants))}, byte_opts);
+  const size_t streams_at = (tables_bytes + 15) / 16 * 16;
+  const size_t consts_at = streams_at + (rounding ? total * sizeof(uint64_t) : 0);
+  at::Tensor work = at::empty({static_cast<int64_t>(consts_at + total * sizeof(Constants))}, byte_opts);
   StepArgs<Algo> args{};
   args.tables = tables ? reinterpret_cast<CodeTable*>(work.data_ptr()) : nullptr;
-  auto* consts = reinterpret_cast<Constants*>(static_cast<uint8_t*>(work.data_ptr()) + tables_bytes);
+  auto* streams = rounding ? reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(work.data_ptr()) + streams_at) : nullptr;
+  auto* consts = reinterpret_cast<Constants*>(static_cast<uint8_t*>(work.data_ptr()) + consts_at);
   for (int key = 0; key < Algo::kKeys; ++key) args.qmap[key] = eight_bit ? qmaps[key].data_ptr<float>() : nullptr;
   args.grad_scale = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
   // the norm pass ignores found_inf (its result is not used when the step is skipped)
@@ -393,13 +403,14 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
   const int table_blocks = tables ? Algo::kKeys * kTableBlocks : 0;
   const int const_blocks = static_cast<int>(ceil_div(static_cast<int64_t>(total), int64_t{kTableThreads}));
   engine_setup_kernel<Algo><<<table_blocks + const_blocks, kTableThreads, 0, stream>>>(
-      args, table_blocks, static_cast<int>(total), consts);
+      args, table_blocks, static_cast<int>(total), consts, streams);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   for (int gi = 0; gi < kGroups; ++gi) {
     if (members[gi].empty()) continue;
     args.meta = dmeta + meta_off[gi];
     args.consts = consts + meta_off[gi];
+    args.sr_streams = streams != nullptr ? streams + meta_off[gi] : nullptr;
     args.starts = dstarts + starts_off[gi];
     args.ntensors = static_cast<int>(members[gi].size());
     args.total_blocks = group_blocks[gi];
@@ -426,12 +437,13 @@ void quantized_step_cuda_unchecked(const std::string& algorithm, at::TensorList 
                                    at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
                                    const std::optional<at::Tensor>& grad_scale,
                                    const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& scales,
-                                   const std::optional<at::Tensor>& norms, const std::optional<at::Tensor>& lr) {
+                                   const std::optional<at::Tensor>& norms, const std::optional<at::Tensor>& lr,
+                                   const SrArgs& sr) {
   if (params.empty()) return;
   if (norms.has_value()) norms->zero_();  // the norm pass adds into it
   with_algorithm(algorithm, [&](auto algo) {
     step_algorithm<decltype(algo)>(params, grads, states, absmax, steps, qmaps, hyper, eight_bit, grad_scale,
-                                   found_inf, scales, norms, lr);
+                                   found_inf, scales, norms, lr, sr);
   });
 }
 

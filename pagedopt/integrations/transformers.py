@@ -30,7 +30,9 @@ bad value is a ValueError that lists the accepted keys. Accepted:
   the same for lion and ademamix;
   their default is 32, as in the classes);
 * ``min_8bit_size`` (int) and ``embeddings_32bit`` (true/false): for the names that can keep
-  8-bit states (not the ``*_32bit`` ones, where they would do nothing).
+  8-bit states (not the ``*_32bit`` ones, where they would do nothing);
+* ``bf16_stochastic_round`` (true/false): every name; bf16 parameters' updates are rounded to
+  bf16 stochastically (README, "bf16 parameters").
 
 Embeddings: as the Trainer does for bitsandbytes' 8-bit optimizers, every ``nn.Embedding`` of the
 model keeps 32-bit states (``pagedopt.GlobalOptimManager.register_module_override(module,
@@ -187,6 +189,7 @@ def accepted_optim_args(name) -> tuple[str, ...]:
         keys.append("optim_bits")
     if entry.bits != 32:
         keys += ["min_8bit_size", "embeddings_32bit"]
+    keys.append("bf16_stochastic_round")
     return tuple(keys)
 
 
@@ -270,7 +273,7 @@ def optimizer_cls_and_kwargs(name, training_args, model: Optional[torch.nn.Modul
         kwargs["alpha"] = opts.get("alpha", 5.0)
         for key in ("t_alpha", "t_beta3"):
             kwargs[key] = opts.get(key)
-    for key in ("optim_bits", "min_8bit_size"):
+    for key in ("optim_bits", "min_8bit_size", "bf16_stochastic_round"):
         if key in opts:
             kwargs[key] = opts[key]
     eight_bit = entry.bits == 8 or (entry.bits is None and kwargs.get("optim_bits", 32) == 8)

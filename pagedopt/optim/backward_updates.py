@@ -408,7 +408,8 @@ class BackwardUpdates:
         if counters:
             torch._foreach_add_(counters, 1.0)  # once per parameter, at its first piece
         kernels.step_chunk(opt.algorithm, bucket, group_of(opt.param_groups, bucket),
-                           make_chunk(params, grads, lists, contiguous), None, None)
+                           make_chunk(params, grads, lists, contiguous, [piece.j for piece in pieces],
+                                      [piece.start or 0 for piece in pieces]), None, None)
         self._updated.update(id(bucket.params[piece.j]) for piece in pieces)
         return [bucket.params[piece.j] for piece in pieces]
 

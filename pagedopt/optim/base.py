@@ -61,7 +61,8 @@ def _same(a, b) -> bool:
 class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
     """An optimizer with 8-bit blockwise-quantized or 32-bit states, optionally paged; the
     algorithm is the class's ``algorithm`` spec. ``defaults`` holds the param-group settings
-    (always ``lr``, ``betas``, ``weight_decay``, ``optim_bits``, ``min_8bit_size``)."""
+    (always ``lr``, ``betas``, ``weight_decay``, ``optim_bits``, ``min_8bit_size``, and
+    ``bf16_stochastic_round`` with its ``bf16_sr_seed``, False and 0 unless given)."""
 
     algorithm: AlgorithmSpec
     _bits: Optional[int] = None  # the state width a *8bit / *32bit class fixes (None: optim_bits decides)
@@ -78,6 +79,8 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         if not block_wise:
             raise ValueError("block_wise=False is not supported: states are always quantized in blocks of 256")
         defaults["optim_bits"] = self._fixed_bits(defaults["optim_bits"])
+        defaults.setdefault("bf16_stochastic_round", False)
+        defaults.setdefault("bf16_sr_seed", 0)  # the rounding's seed: a group setting (README, "bf16 parameters")
         if not isinstance(capturable, bool):
             raise ValueError(f"Invalid argument 'capturable': {capturable!r} (must be True or False)")
         # the optimizer's, not a param group's: the groups keep bitsandbytes' keys (checkpoint layout)
@@ -397,6 +400,9 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         keep_grads = state.pop("keep_grads", False)
         saved_state = state.pop("state", {})
         super().__setstate__(state)
+        for settings in [self.defaults, *self.param_groups]:  # pickled before these settings existed
+            settings.setdefault("bf16_stochastic_round", False)
+            settings.setdefault("bf16_sr_seed", 0)
         pager = None
         if is_paged and device_buffer_bytes is not None:  # a copy keeps host residency and its buffer
             from ..paging import HostResidentPager

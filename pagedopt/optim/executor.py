@@ -54,11 +54,12 @@ def step_bucket(spec: AlgorithmSpec, pager, group: dict, bucket: Bucket, params,
     """One bucket: a single call on the states it holds in C++ while they are resident, else its
     chunks as the residency hands them out, each through the bucket's kernel."""
     if bucket.kernel == STATELESS:
-        kernels.plain_sgd(group, params, grads, grad_scale, found_inf)
+        kernels.plain_sgd(group, params, grads, grad_scale, found_inf, bucket)
         return
     if bucket.held is not None and contiguous and residency.all_resident(pager):
         hyper, lr = kernels.hyper_and_lr(spec, group, bucket.device)
-        _ops.quantized_step_list_(bucket.held, params, grads, hyper, grad_scale, found_inf, lr)
+        _ops.quantized_step_list_(bucket.held, params, grads, hyper, grad_scale, found_inf, lr,
+                                  kernels.sr_seed(group, bucket))
         return
     chunks = residency.chunks(pager, spec.memory_keys, bucket, params, grads, contiguous, residency.cuttable(spec))
     if spec.norm_scaled and any(is_dtensor(p) for p in bucket.params):

@@ -62,7 +62,7 @@ def fast_step(opt, plan: StepPlan) -> bool:
     for b in buckets:  # every held bucket's hyperparameters read before anything changes
         group = group_of(groups, b)
         hyper, lr = kernels.hyper_and_lr(spec, group, b.device)
-        calls.append((group, None if b.held is None else [float(h) for h in hyper], lr))
+        calls.append((group, None if b.held is None else [float(h) for h in hyper], lr, kernels.sr_seed(group, b)))
     unheld = {}  # the buckets without a held list (32-bit Adam, plain SGD): their ordinary step, on Python lists
     for i, b in enumerate(buckets):
         if b.held is None:
@@ -78,11 +78,11 @@ def fast_step(opt, plan: StepPlan) -> bool:
             return False
 
     def step_bucket(i, b, scale, inf):
-        group, hyper, lr = calls[i]
+        group, hyper, lr, seed = calls[i]
         if b.held is None:
             executor.step_bucket(spec, pager, group, b, b.params, unheld[i], True, scale, inf)
         else:
-            b.held.step_gathered(hyper, scale, inf, lr)
+            b.held.step_gathered(hyper, scale, inf, lr, seed)
 
     executor.count_and_step(pager, plan, step_bucket, getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None))
     return True

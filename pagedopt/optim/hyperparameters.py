@@ -4,6 +4,9 @@ import math
 
 import torch
 
+# bf16_sr_seed: an int in [0, SR_SEED_LIMIT) (the ops take it as a signed 64-bit int)
+SR_SEED_LIMIT = 1 << 63
+
 
 def check_hyperparameters(h: dict, where: str, n_betas: int = 2, has_eps: bool = True, extra=None) -> None:
     """Raise a ValueError naming ``where`` (``argument`` or ``param_groups[i]``) and the key.
@@ -19,7 +22,7 @@ def check_hyperparameters(h: dict, where: str, n_betas: int = 2, has_eps: bool =
         return float(v)
 
     for key in (("lr",) + (("betas",) if n_betas else ()) + (("eps",) if has_eps else ())
-                + ("weight_decay", "optim_bits", "min_8bit_size")):
+                + ("weight_decay", "optim_bits", "min_8bit_size", "bf16_stochastic_round", "bf16_sr_seed")):
         if key not in h:
             raise ValueError(f"Invalid {name(key)}: missing")
     lr = h["lr"]
@@ -45,5 +48,11 @@ def check_hyperparameters(h: dict, where: str, n_betas: int = 2, has_eps: bool =
     m = h["min_8bit_size"]
     if not isinstance(m, int) or isinstance(m, bool) or m < 0:
         raise ValueError(f"Invalid {name('min_8bit_size')}: {m!r} (must be an int >= 0)")
+    if not isinstance(h["bf16_stochastic_round"], bool):
+        raise ValueError(f"Invalid {name('bf16_stochastic_round')}: {h['bf16_stochastic_round']!r} (must be True or "
+                         "False)")
+    seed = h["bf16_sr_seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SR_SEED_LIMIT:
+        raise ValueError(f"Invalid {name('bf16_sr_seed')}: {seed!r} (must be an int in [0, 2**63))")
     if extra is not None:
         extra(h, name)

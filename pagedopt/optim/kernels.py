@@ -13,6 +13,16 @@ with the engine's ``quantized_update_norm_`` and pass per-tensor scales to the s
 
 ``hyper_and_lr`` is where a group's settings become the op's arguments: a tensor lr on the
 parameters' device is read by the kernel (``lr``), a float one goes in ``hyper``.
+
+Stochastic rounding (``bf16_stochastic_round``, a group setting; bf16 parameters only): the
+engine rounds each new parameter value to bf16 with random bits of (the group's ``bf16_sr_seed``,
+the parameter's ``Bucket.sr_ids`` entry, its step count, the element's index in the whole
+parameter: ``Bucket.sr_offsets`` for a DTensor's shard plus ``Chunk.offsets`` for pieces), so that
+any way of cutting a step into chunks gives the same bits. A FUSED32 bucket then runs the engine's 32-bit path instead of torch's fused kernel:
+one pass over params, grads and states that rounds in registers, where the fused kernel would need
+fp32 copies of the parameters and a rounding pass over them (the same Adam update; the two agree
+to within an ulp or two of fp32 per step). Plain SGD rounds its fp32 result with the same bits
+(``stochastic_round_bf16``).
 """
 from __future__ import annotations
 
@@ -50,13 +60,32 @@ def hyper_and_lr(spec: AlgorithmSpec, group: dict, device: torch.device) -> tupl
     return spec.hyper(group if lr is None else {**group, "lr": 0.0}), lr
 
 
+def sr_seed(group: dict, bucket: Bucket) -> Optional[int]:
+    """The seed of the bucket's stochastic rounding at this step, or None when it rounds to nearest
+    (the group's bf16_stochastic_round is off, or the parameters are not bf16)."""
+    if group["bf16_stochastic_round"] and bucket.params and bucket.params[0].dtype == torch.bfloat16:
+        return int(group["bf16_sr_seed"])
+    return None
+
+
+def sr_args(group: dict, bucket: Bucket, chunk: Chunk) -> dict:
+    """quantized_step_'s stochastic rounding arguments for a chunk of the bucket (none: off)."""
+    seed = sr_seed(group, bucket)
+    if seed is None:
+        return {}
+    index = range(len(bucket.sr_ids)) if chunk.index is None else chunk.index
+    pieces = chunk.offsets or [0] * len(index)
+    offsets = [bucket.sr_offsets[j] + start for j, start in zip(index, pieces)]
+    return dict(sr_ids=[bucket.sr_ids[j] for j in index], sr_offsets=offsets if any(offsets) else None, sr_seed=seed)
+
+
 def engine_step(spec: AlgorithmSpec, bucket: Bucket, chunk: Chunk, hyper: list, lr, grad_scale, found_inf,
-                scales: Optional[torch.Tensor] = None) -> None:
+                scales: Optional[torch.Tensor] = None, sr: Optional[dict] = None) -> None:
     lists = chunk.lists
     absmax = [lists[k] for k in spec.absmax_keys] if bucket.eight_bit else []
     _ops.quantized_step_(spec.engine, chunk.work_params, chunk.work_grads, [lists[k] for k in spec.state_keys], absmax,
                          lists["step"], bucket.qmaps(spec), hyper, grad_scale=grad_scale, found_inf=found_inf,
-                         scales=scales, lr=lr)
+                         scales=scales, lr=lr, **(sr or {}))
 
 
 def fused32_step(spec: AlgorithmSpec, group: dict, chunk: Chunk, lr, grad_scale, found_inf) -> None:
@@ -85,13 +114,16 @@ def fused32_step(spec: AlgorithmSpec, group: dict, chunk: Chunk, lr, grad_scale,
         write_back(views, run_params)
 
 
-def plain_sgd(group: dict, params, grads, grad_scale, found_inf) -> None:
+def plain_sgd(group: dict, params, grads, grad_scale, found_inf, bucket: Optional[Bucket] = None) -> None:
     """Plain SGD (torch.optim.SGD with momentum = 0): p -= lr * (g + weight_decay * p), in fp32;
-    GradScaler's found_inf keeps every parameter as it was (torch.where: no host synchronisation)."""
+    GradScaler's found_inf keeps every parameter as it was (torch.where: no host synchronisation).
+    With the ``bucket`` of the parameters, bf16 ones are rounded stochastically when its group says
+    so (sr_seed); an unchanged parameter (found_inf) rounds to itself."""
+    seed = None if bucket is None else sr_seed(group, bucket)
     lr_t = lr_tensor(group, params[0].device) if params else None  # read on the device (capturable)
     lr, wd = (0.0 if lr_t is not None else float(group["lr"])), float(group["weight_decay"])
     inv_scale = None if grad_scale is None else grad_scale.reciprocal()  # exact for GradScaler's powers of two
-    for p, g in zip(params, grads):
+    for j, (p, g) in enumerate(zip(params, grads)):  # params[j]: the bucket's j-th parameter (or its shard)
         g32 = g.float()
         if inv_scale is not None:
             g32 = g32 * inv_scale
@@ -101,6 +133,8 @@ def plain_sgd(group: dict, params, grads, grad_scale, found_inf) -> None:
         new = p32.add(g32, alpha=-lr) if lr_t is None else torch.addcmul(p32, g32, lr_t, value=-1)
         if found_inf is not None:
             new = torch.where(found_inf > 0, p32, new)
+        if seed is not None:
+            new = _ops.stochastic_round_bf16(new, bucket.lists["step"][j], seed, bucket.sr_ids[j], bucket.sr_offsets[j])
         p.copy_(new)
 
 
@@ -110,15 +144,16 @@ def step_chunk(spec: AlgorithmSpec, bucket: Bucket, group: dict, chunk: Chunk, g
     Norm-scaled algorithms take the chunk's ``squares`` (update_squares) when given (a sharded
     bucket's, reduced over the shards), else compute them from the chunk."""
     hyper, lr = hyper_and_lr(spec, group, bucket.device)
-    if bucket.kernel == "fused32":
+    sr = sr_args(group, bucket, chunk)
+    if bucket.kernel == "fused32" and not sr:  # with stochastic rounding: the engine (see the module)
         fused32_step(spec, group, chunk, lr, grad_scale, found_inf)
     elif spec.norm_scaled:
         if squares is None:
             squares = update_squares(spec, bucket, chunk, hyper, lr, grad_scale)
         scales = norm_scales(squares, float(group["max_unorm"]), chunk.lists["unorm_vec"])
-        engine_step(spec, bucket, chunk, hyper, lr, grad_scale, found_inf, scales)
+        engine_step(spec, bucket, chunk, hyper, lr, grad_scale, found_inf, scales, sr)
     else:
-        engine_step(spec, bucket, chunk, hyper, lr, grad_scale, found_inf)
+        engine_step(spec, bucket, chunk, hyper, lr, grad_scale, found_inf, sr=sr)
     if chunk.work_params is not chunk.params:
         write_back(chunk.params, chunk.work_params)
 

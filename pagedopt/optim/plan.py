@@ -37,6 +37,8 @@ class Bucket(NamedTuple):
     held: Any                  # the same lists held by a C++ QuantizedStateList, or None
     override: dict             # GlobalOptimManager settings over the group's (lr, betas, eps, weight_decay)
     kernel: str                # ENGINE, FUSED32 or STATELESS (kernels.py)
+    sr_ids: list               # each parameter's id for stochastic rounding (sr_place)
+    sr_offsets: list           # and the index of its (local) first element in the whole parameter
 
     def qmaps(self, spec: AlgorithmSpec) -> list:
         """The codebooks of an 8-bit bucket, in the order of the spec's states (empty: 32-bit)."""
@@ -72,6 +74,17 @@ def group_of(param_groups: list[dict], bucket: Bucket) -> dict:
     return {**group, **bucket.override} if bucket.override else group
 
 
+def sr_place(position: int, p: torch.Tensor) -> tuple[int, int]:
+    """A parameter's (id, offset) in the random bits of stochastic rounding (csrc/include/pagedopt/
+    stochastic_round.h): the id is its position among the optimizer's parameters (param groups in
+    order, the numbering of state_dict()), which a resumed run gives it again; a DTensor's local
+    shard starts at its offset in the global tensor, or, for shardings that are not runs of whole
+    rows, is numbered in the id's high 32 bits (sharding.rounding_place): shards draw different
+    bits, replicas the same."""
+    shard, offset = sharding.rounding_place(p)
+    return position | (shard << 32), offset
+
+
 def kernel_of(spec: AlgorithmSpec, eight_bit: bool, stateful: bool) -> str:
     if not stateful:
         return STATELESS
@@ -97,6 +110,9 @@ def build_plan(spec: AlgorithmSpec, param_groups: list[dict], state: StateTable,
     p, gi, pi)`` refuses a parameter before anything is made (host residency's buffer);
     ``streamed``: states stream from the host, so no bucket holds device lists."""
     index_of = {id(p): (gi, pi) for gi, group in enumerate(param_groups) for pi, p in enumerate(group["params"])}
+    group_start = [0]
+    for group in param_groups:
+        group_start.append(group_start[-1] + len(group["params"]))
     configs = []
     for p in params:
         gi, pi = index_of[id(p)]
@@ -137,6 +153,10 @@ def build_plan(spec: AlgorithmSpec, param_groups: list[dict], state: StateTable,
         # held in C++ where one call does the whole bucket (not streamed states, nor a norm pass first)
         held = (hold_states(spec, lists, states[0], eight_bit) if kernel == ENGINE and not streamed
                 and not spec.norm_scaled else None)
+        places = [sr_place(group_start[index_of[id(p)][0]] + index_of[id(p)][1], p) for p in bucket_params]
+        ids, offsets = [place[0] for place in places], [place[1] for place in places]
+        if held is not None:
+            held.set_sr_ids(ids, offsets)
         buckets.append(Bucket(gi, device, eight_bit, stateful, index, bucket_params, states, lists, held,
-                              dict(setting), kernel))
+                              dict(setting), kernel, ids, offsets))
     return StepPlan(plan_key(state, version, params), buckets, steps_by_device, sharding.has_dtensor(params), False)

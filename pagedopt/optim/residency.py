@@ -15,7 +15,7 @@ The pagers know nothing of optimizers: they see lists of tensors.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -32,6 +32,8 @@ class Chunk(NamedTuple):
     work_params: list     # the same, or their contiguous copies (written back after the update)
     work_grads: list
     lists: dict           # key -> the chunk's state tensors (device views of streamed ones)
+    index: Optional[list] = None    # each one's position in its bucket (None: the bucket's, in order)
+    offsets: Optional[list] = None  # each one's first element in its whole parameter (None: all 0)
 
 
 def contiguous_views(params: list[torch.Tensor], grads: list[torch.Tensor]):
@@ -64,11 +66,11 @@ def streams_now(pager) -> bool:
     return streams_states(pager) and not pager.all_resident()
 
 
-def make_chunk(params, grads, lists: dict, contiguous: bool) -> Chunk:
+def make_chunk(params, grads, lists: dict, contiguous: bool, index=None, offsets=None) -> Chunk:
     if contiguous:
-        return Chunk(params, params, grads, lists)
+        return Chunk(params, params, grads, lists, index, offsets)
     work_params, work_grads = contiguous_views(params, grads)
-    return Chunk(params, work_params, work_grads, lists)
+    return Chunk(params, work_params, work_grads, lists, index, offsets)
 
 
 # Pieces of a cut parameter start at multiples of this many elements: whole 256-element blocks of
@@ -143,7 +145,7 @@ def chunks(pager, keys, bucket, params: list[torch.Tensor], grads: list[torch.Te
     for i in pager.stage([[states[j][k] for j in chunk for k in keys if k in states[j]] for chunk in positions]):
         chunk = positions[i]
         yield make_chunk([params[j] for j in chunk], [grads[j] for j in chunk],
-                         {k: [lst[j] for j in chunk] for k, lst in lists.items()}, contiguous)
+                         {k: [lst[j] for j in chunk] for k, lst in lists.items()}, contiguous, chunk)
 
 
 def _streamed(pager, keys, states: list[dict], lists: dict, params, grads, contiguous: bool, cut: bool,
@@ -174,7 +176,8 @@ def _streamed(pager, keys, states: list[dict], lists: dict, params, grads, conti
         chunk_grads = [_flat(work_grads[pc.j], pc) for pc in chunk]
         chunk_lists = {k: [view_of[id(pc.by_key[k])] if k in pc.by_key else lst[pc.j] for pc in chunk]
                        for k, lst in lists.items()}
-        yield Chunk(chunk_params, chunk_params, chunk_grads, chunk_lists)
+        yield Chunk(chunk_params, chunk_params, chunk_grads, chunk_lists, [pc.j for pc in chunk],
+                    [pc.start or 0 for pc in chunk])
     if work_params is not params:
         write_back(params, work_params)
 

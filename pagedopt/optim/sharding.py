@@ -45,6 +45,37 @@ def local(p: torch.Tensor) -> torch.Tensor:
     return p._local_tensor if is_dtensor(p) else p
 
 
+def rounding_place(p: torch.Tensor) -> tuple[int, int]:
+    """Where the elements of ``p``'s local tensor sit, for the random bits of stochastic rounding:
+    (shard, offset). A plain tensor, or a DTensor whose local shard is a run of whole rows of the
+    global tensor (Shard(0) on one mesh dimension, Replicate on the others: FSDP2's fully_shard),
+    is shard 0 at the index of its first element in the global tensor, so its elements draw the
+    bits of an unsharded run. Other shardings (Shard(1), several sharded mesh dimensions, FSDP2
+    with TP's strided shards) are numbered by the linear index of the rank's mesh coordinate over
+    the sharded dimensions, offset 0. Replicas of a shard (HSDP) get the same place either way."""
+    if not is_dtensor(p):
+        return 0, 0
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = p.device_mesh, p.placements
+    coordinate = mesh.get_coordinate()
+    sharded = [dim for dim, placement in enumerate(placements) if not isinstance(placement, Replicate)]
+    if coordinate is None or not sharded:
+        return 0, 0
+    if len(sharded) == 1 and type(placements[sharded[0]]) is Shard and placements[sharded[0]].dim == 0:
+        try:
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            _, offset = compute_local_shape_and_global_offset(p.shape, mesh, placements)
+            return 0, int(offset[0]) * math.prod(p.shape[1:])
+        except (ImportError, TypeError, ValueError):
+            pass  # a torch without the helper: numbered instead
+    index = 0
+    for dim in sharded:
+        index = index * mesh.size(dim) + coordinate[dim]
+    return index, 0
+
+
 def local_numel(p: torch.Tensor) -> int:
     return local(p).numel()
 

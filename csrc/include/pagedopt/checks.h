@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "pagedopt/common.h"
+#include "pagedopt/stochastic_round.h"
 
 namespace pagedopt {
 
@@ -142,6 +143,53 @@ inline void check_lr_tensor(const std::optional<at::Tensor>& lr, at::TensorList 
                     t.sizes());
   TORCH_CHECK_VALUE(t.device() == params[0].device(), op, ": lr is on ", t.device(), ", params on ",
                     params[0].device());
+}
+
+// stochastic_round_bf16's arguments (csrc/pagedopt.cpp).
+inline void check_stochastic_round_bf16_args(const at::Tensor& x, const at::Tensor& step, int64_t offset) {
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "stochastic_round_bf16: x must be float32, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(step.scalar_type() == at::kFloat && step.numel() == 1, "stochastic_round_bf16: step must be a "
+                    "float32 tensor with one element, got ", step.scalar_type(), " of shape ", step.sizes());
+  TORCH_CHECK_VALUE(step.device() == x.device(), "stochastic_round_bf16: step is on ", step.device(), ", x on ",
+                    x.device());
+  TORCH_CHECK_VALUE(offset >= 0, "stochastic_round_bf16: offset = ", offset, " must be >= 0");
+}
+
+// The stochastic rounding arguments of quantized_step_ (csrc/pagedopt.cpp), checked: on when
+// `sr_ids` is given (one id per parameter), `sr_offsets` (optional: zeros) the index of each
+// tensor's first element in its whole parameter (>= 0).
+struct SrArgs {
+  bool on = false;
+  uint64_t seed = 0;
+  c10::ArrayRef<int64_t> ids;
+  c10::ArrayRef<int64_t> offsets;  // empty: every tensor starts its parameter
+
+  uint64_t key(size_t i) const { return sr_key(seed, static_cast<uint64_t>(ids[i])); }
+  int64_t offset(size_t i) const { return offsets.empty() ? 0 : offsets[i]; }
+};
+
+inline SrArgs check_stochastic_round(at::OptionalIntArrayRef sr_ids, at::OptionalIntArrayRef sr_offsets,
+                                     int64_t sr_seed, size_t n, const char* op) {
+  SrArgs sr;
+  if (!sr_ids.has_value()) {
+    TORCH_CHECK_VALUE(!sr_offsets.has_value(), op, ": sr_offsets given without sr_ids");
+    return sr;
+  }
+  TORCH_CHECK_VALUE(sr_ids->size() == n, op, ": sr_ids must hold one id per parameter (", n, "), got ",
+                    sr_ids->size());
+  if (sr_offsets.has_value()) {
+    TORCH_CHECK_VALUE(sr_offsets->size() == n, op, ": sr_offsets must hold one offset per parameter (", n,
+                      "), got ", sr_offsets->size());
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t o = (*sr_offsets)[i];
+      TORCH_CHECK_VALUE(o >= 0, op, ": sr_offsets[", i, "] = ", o, " must be >= 0");
+    }
+    sr.offsets = *sr_offsets;
+  }
+  sr.on = true;
+  sr.seed = static_cast<uint64_t>(sr_seed);
+  sr.ids = *sr_ids;
+  return sr;
 }
 
 }  // namespace pagedopt

@@ -27,6 +27,8 @@ struct QuantizedStateList : torch::CustomClassHolder {
   std::vector<at::Tensor> absmax;  // likewise (8-bit), or empty (32-bit)
   std::vector<at::Tensor> steps;
   std::vector<at::Tensor> qmaps;   // one codebook per state key (8-bit), or empty
+  std::vector<int64_t> sr_ids;      // each parameter's id for stochastic rounding (set_sr_ids), or empty
+  std::vector<int64_t> sr_offsets;  // and the index of its first element in its whole parameter
 
   QuantizedStateList(std::string algorithm_, std::vector<at::Tensor> states_, std::vector<at::Tensor> absmax_,
                      std::vector<at::Tensor> steps_, std::vector<at::Tensor> qmaps_)
@@ -57,6 +59,26 @@ struct QuantizedStateList : torch::CustomClassHolder {
     held_pyobjs = std::move(pyobjs);
   }
 
+  // The ids and offsets of the held parameters for stochastic rounding (quantized_step_'s sr_ids
+  // and sr_offsets).
+  void set_sr_ids(std::vector<int64_t> ids, std::vector<int64_t> offsets) {
+    TORCH_CHECK_VALUE(ids.size() == steps.size() && offsets.size() == steps.size(), "set_sr_ids: ", ids.size(),
+                      " ids and ", offsets.size(), " offsets for ", steps.size(), " held states");
+    for (size_t i = 0; i < offsets.size(); ++i) {
+      TORCH_CHECK_VALUE(offsets[i] >= 0, "set_sr_ids: offsets[", i, "] = ", offsets[i], " must be >= 0");
+    }
+    sr_ids = std::move(ids);
+    sr_offsets = std::move(offsets);
+  }
+
+  // The sr_ids and sr_offsets of quantized_step_ for a step with `sr_seed` (none without one).
+  std::pair<at::OptionalIntArrayRef, at::OptionalIntArrayRef> sr_for(const std::optional<int64_t>& sr_seed,
+                                                                     const char* op) const {
+    if (!sr_seed.has_value()) return {std::nullopt, std::nullopt};
+    TORCH_CHECK_VALUE(sr_ids.size() == steps.size(), op, ": sr_seed given, but the list holds no sr_ids (set_sr_ids)");
+    return {at::IntArrayRef(sr_ids), at::IntArrayRef(sr_offsets)};
+  }
+
   void release() {
     gathered_params.clear();
     gathered_grads.clear();
@@ -73,7 +95,8 @@ struct QuantizedStateList : torch::CustomClassHolder {
   // The step on what gather_grads collected, through the op quantized_step_ (every argument check
   // of the ordinary step runs); the collected tensors are released whatever happens.
   void step_gathered(std::vector<double> hyper, std::optional<at::Tensor> grad_scale,
-                     std::optional<at::Tensor> found_inf, std::optional<at::Tensor> lr) {
+                     std::optional<at::Tensor> found_inf, std::optional<at::Tensor> lr,
+                     std::optional<int64_t> sr_seed) {
     std::vector<at::Tensor> params = std::move(gathered_params);
     std::vector<at::Tensor> grads = std::move(gathered_grads);
     release();
@@ -85,8 +108,11 @@ struct QuantizedStateList : torch::CustomClassHolder {
             .typed<void(c10::string_view, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
                         at::TensorList, at::TensorList, c10::ArrayRef<double>, const std::optional<at::Tensor>&,
                         const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&)>();
-    op.call(algorithm, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf, std::nullopt, lr);
+                        const std::optional<at::Tensor>&, at::OptionalIntArrayRef, at::OptionalIntArrayRef,
+                        int64_t)>();
+    const auto sr = sr_for(sr_seed, "step_gathered");
+    op.call(algorithm, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf, std::nullopt, lr,
+            sr.first, sr.second, sr_seed.value_or(0));
   }
 
   // (name, value) pairs of everything held, for torch.compile's fake class (pagedopt/_ops.py,
@@ -97,7 +123,9 @@ struct QuantizedStateList : torch::CustomClassHolder {
                            std::make_tuple(std::string("states"), states),
                            std::make_tuple(std::string("absmax"), absmax),
                            std::make_tuple(std::string("steps"), steps),
-                           std::make_tuple(std::string("qmaps"), qmaps));
+                           std::make_tuple(std::string("qmaps"), qmaps),
+                           std::make_tuple(std::string("sr_ids"), sr_ids),
+                           std::make_tuple(std::string("sr_offsets"), sr_offsets));
   }
 };
 
@@ -112,7 +140,10 @@ inline const auto kQuantizedStateListClass =
         .def("hold_params", &QuantizedStateList::hold_params)
         .def("gather_grads", &QuantizedStateList::gather_grads)
         .def("release", &QuantizedStateList::release)
-        .def("step_gathered", &QuantizedStateList::step_gathered)
+        .def("set_sr_ids", &QuantizedStateList::set_sr_ids)
+        .def("step_gathered", &QuantizedStateList::step_gathered, "",
+             {torch::arg("hyper"), torch::arg("grad_scale"), torch::arg("found_inf"), torch::arg("lr"),
+              torch::arg("sr_seed") = torch::arg::none()})
         .def("__obj_flatten__",
              [](const c10::intrusive_ptr<QuantizedStateList>& self) { return self->obj_flatten(); })
         // Identity, for tracing's fake-tensor dispatch cache, whose keys hold the object.
@@ -129,9 +160,10 @@ template <auto step>
 void quantized_step_list(const c10::intrusive_ptr<QuantizedStateList>& s, at::TensorList params,
                          at::TensorList grads, c10::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_scale,
                          const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& scales,
-                         const std::optional<at::Tensor>& lr) {
+                         const std::optional<at::Tensor>& lr, std::optional<int64_t> sr_seed) {
+  const auto sr = s->sr_for(sr_seed, "quantized_step_list_");
   step(s->algorithm, params, grads, s->states, s->absmax, s->steps, s->qmaps, hyper, grad_scale, found_inf, scales,
-       lr);
+       lr, sr.first, sr.second, sr_seed.value_or(0));
 }
 
 }  // namespace pagedopt

@@ -21,10 +21,16 @@ _ANNOTATIONS = {"lr": float, "eps": float, "weight_decay": float, "alpha": float
                 "percentile_clipping": int, "block_wise": bool, "is_paged": bool, "capturable": bool,
                 "amsgrad": bool, "momentum": float, "dampening": float, "nesterov": bool, "centered": bool,
                 "lr_decay": float, "initial_accumulator_value": float, "bias_correction": bool,
-                "adam_w_mode": bool, "max_unorm": float}
+                "adam_w_mode": bool, "max_unorm": float, "bf16_stochastic_round": bool}
 
 # The constructor arguments every family takes that are not param-group settings: QuantizedOptimizer's own.
 _OPTIONS = ("args", "percentile_clipping", "block_wise", "is_paged", "capturable")
+
+# The param-group settings every class takes after its family's arguments: bf16_stochastic_round
+# (torchao's name): the updates of bf16 parameters are rounded to bf16 stochastically (README,
+# "bf16 parameters"); ignored for other dtypes.
+COMMON_ARGUMENTS = (("bf16_stochastic_round", False),)
+COMMON_GROUP_KEYS = tuple(name for name, _ in COMMON_ARGUMENTS)
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,7 @@ def _signature(family: Family, variant: Optional[Variant]) -> inspect.Signature:
     drop = () if variant is None else variant.drop
     own = {} if variant is None else variant.defaults
     parameters = [inspect.Parameter("self", kind), inspect.Parameter("params", kind)]
-    for name, default in family.arguments:
+    for name, default in family.arguments + COMMON_ARGUMENTS:
         if name not in drop:
             default = own.get(name, default)
             annotation = _ANNOTATIONS.get(name, inspect.Parameter.empty) if default is not REQUIRED else REQUIRED
@@ -89,7 +95,7 @@ def _init(family: Family, signature: inspect.Signature, bits: Optional[int], pag
             values["optim_bits"] = bits
         if family.refuse is not None:
             family.refuse(type(self), values)
-        defaults = {k: values[k] for k in family.group_keys}
+        defaults = {k: values[k] for k in family.group_keys + COMMON_GROUP_KEYS}
         options = {k: values[k] for k in _OPTIONS if k in values and k not in family.ignore}
         if paged is not None:
             options["is_paged"] = paged
