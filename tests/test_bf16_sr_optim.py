@@ -117,7 +117,7 @@ def _model(dtype=torch.bfloat16, seed=0):
 def _grads(params, step):
     g = torch.Generator().manual_seed(1000 + step)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        p.grad = torch.randn(p.shape, generator=g).to(p.device, p.dtype)
 
 
 def _make(name, params, **kw):

@@ -161,9 +161,9 @@ def _ups(seed=5, pid=9, step=17.0, offset=0, n=1 << 18):
 def test_fresh_bits_for_each_step_element_id_and_seed(other):
     """At p = 1/2, the round-up indicators of two draws that differ only in the step, the
     parameter's id, the seed or the element agree half the time when their bits are independent,
-    always when a coordinate is ignored (or confused with another). Agreements of n pairs: a
-    Binomial(n, 1/2) count within bernstein_t(n, 1/2) of n / 2 (false-failure rate 1e-7); an
-    ignored coordinate gives n, about 500 t away. 'element_in_group': the four elements that share
+    always when a coordinate is ignored (or confused with another). Agreements of n disjoint pairs
+    (independent): a Binomial(n, 1/2) count within bernstein_t(n, 1/2) of n / 2 (false-failure
+    rate 1e-7); an ignored coordinate gives n, at least 30 t away. 'element_in_group': the four elements that share
     a hash (4 q .. 4 q + 3) take different bits of it; 'offset': element i of a piece starting at
     offset 5 is element i + 5 of the parameter, not element i."""
     a = _ups()
@@ -173,13 +173,14 @@ def test_fresh_bits_for_each_step_element_id_and_seed(other):
         b = _ups(pid=10)
     elif other == "seed":
         b = _ups(seed=6)
-    elif other == "element":
-        a, b = a[:-4], a[4:]
+    elif other == "element":  # elements 8 q and 8 q + 4: disjoint pairs, in different hashes
+        a, b = a[0::8], a[4::8]
     elif other == "element_in_group":
         a, b = a[0::4], a[1::4]
     else:  # a piece starting at offset 5: its element i is the parameter's i + 5, not its i
         b = _ups(offset=5)
         assert torch.equal(b[:-5], a[5:])
+        a, b = a[0::10], b[0::10]  # disjoint pairs: elements 10 q and 10 q + 5
     n = a.numel()
     agree = int((a == b).sum())
     assert abs(agree - n / 2) <= bernstein_t(n, 0.5), (agree, n)

@@ -18,11 +18,11 @@ Stochastic rounding (``bf16_stochastic_round``, a group setting; bf16 parameters
 engine rounds each new parameter value to bf16 with random bits of (the group's ``bf16_sr_seed``,
 the parameter's ``Bucket.sr_ids`` entry, its step count, the element's index in the whole
 parameter: ``Bucket.sr_offsets`` for a DTensor's shard plus ``Chunk.offsets`` for pieces), so that
-any way of cutting a step into chunks gives the same bits. A FUSED32 bucket then runs the engine's 32-bit path instead of torch's fused kernel:
-one pass over params, grads and states that rounds in registers, where the fused kernel would need
-fp32 copies of the parameters and a rounding pass over them (the same Adam update; the two agree
-to within an ulp or two of fp32 per step). Plain SGD rounds its fp32 result with the same bits
-(``stochastic_round_bf16``).
+any way of cutting a step into chunks gives the same bits. A FUSED32 bucket then runs the engine's
+32-bit path instead of torch's fused kernel: one pass over params, grads and states that rounds in
+registers, where the fused kernel would need fp32 copies of the parameters and a rounding pass over
+them (the same Adam update, computed in fp32 with its own rounding of the last bits). Plain SGD
+rounds its fp32 result with the same bits (``stochastic_round_bf16``).
 """
 from __future__ import annotations
 
