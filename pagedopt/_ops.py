@@ -49,7 +49,11 @@ def quantized_step_(algorithm: str, params: Sequence[torch.Tensor], grads: Seque
     ``scales``: the per-tensor update scales of lars and lamb; ``lr``: a one-element tensor on the
     parameters' device that the kernel reads in place of ``hyper[0]`` (capturable steps).
     ``sr_ids`` (one per parameter): bf16 parameters are rounded stochastically with the bits of
-    (``sr_seed``, ``sr_ids[i]``, ``steps[i]``, element index counted from ``sr_offsets[i]``)."""
+    (``sr_seed``, ``sr_ids[i]``, ``steps[i]``, element index counted from ``sr_offsets[i]``).
+    With every list empty there is nothing to update: no call (an op without a tensor argument
+    has no device for torch's dispatcher to choose a kernel by)."""
+    if not params and not grads and not steps and not any(states) and not any(absmax):
+        return
     ops.quantized_step_(algorithm, list(params), list(grads), [t for key in states for t in key],
                         [t for key in absmax for t in key], list(steps), list(qmaps), [float(h) for h in hyper],
                         grad_scale, found_inf, scales, lr, None if sr_ids is None else list(sr_ids),

@@ -397,3 +397,17 @@ def test_fixed_width_classes_refuse_another_optim_bits(name):
         p.grad = torch.randn(600)
         opt.step()
         assert opt.state[p]["state1"].dtype == (torch.uint8 if width == 8 else torch.float32)
+
+
+def test_an_empty_step_is_a_no_op_and_a_half_empty_one_is_refused():
+    """Every list empty: nothing to update on any device (the op itself, with no tensor argument,
+    could not be dispatched: the device run of 2026-12-07 found it); a call with parameters but no
+    gradients still reaches the op's checks."""
+    from pagedopt import _ops
+
+    hyper = [1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0]
+    assert _ops.quantized_step_("adam", [], [], [[], []], [], [], [], hyper) is None
+    p = torch.randn(300)
+    with pytest.raises((RuntimeError, ValueError)):
+        _ops.quantized_step_("adam", [p], [], [[torch.zeros(300)], [torch.zeros(300)]], [],
+                             [torch.zeros(())], [], hyper)
