@@ -149,3 +149,58 @@ def test_a_plan_over_counters_of_which_only_some_are_float32_tensors_counts_each
     assert [float(opt.state[p]["step"]) for p in params] == [3.0, 3.0, 3.0]
     assert opt.state[params[1]]["step"].dtype == torch.float64  # kept as the user set it
     assert opt.state[params[0]]["step"].dtype == opt.state[params[2]]["step"].dtype == torch.float32
+
+
+@pytest.mark.filterwarnings("ignore::pagedopt.paging.PagingFallbackWarning")
+def test_out_of_memory_for_the_device_buffer_changes_nothing(monkeypatch):
+    """Host-resident states: a step whose device buffer cannot be allocated (the buffer is made at
+    the first streamed step, e.g. after the states were loaded from a checkpoint) raises
+    torch.OutOfMemoryError before any counter or parameter changes; once memory is free the same
+    step gives, bit for bit, the result of a run that never failed. Two buckets (fp32 and bf16
+    parameters), so that a buffer made at the first bucket's chunks would follow the counters."""
+    from pagedopt.paging import HostResidentPager
+
+    def make(seed):
+        g = torch.Generator().manual_seed(seed)
+        params = [torch.randn(64, 80, generator=g).requires_grad_(True),
+                  torch.randn(5000, generator=g).to(torch.bfloat16).requires_grad_(True)]
+        opt = pagedopt.PagedAdamW8bit(params, lr=1e-2, min_8bit_size=1024)
+        opt.set_pager(residency="host", device_buffer=64 << 10)
+        return params, opt
+
+    def grads(params, step):
+        g = torch.Generator().manual_seed(1000 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+    ref_params, ref = make(0)
+    params, opt = make(0)
+    for s in range(2):
+        for group in (ref_params, params):
+            grads(group, s)
+        ref.step()
+        opt.step()
+    # a copy of the optimizer: same states, a new pager whose buffer does not exist yet
+    opt = copy.deepcopy(opt)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for group in (ref_params, params):
+        grads(group, 2)
+    before = _snapshot(opt, params)
+    real = HostResidentPager._buffer
+
+    def no_memory(self, device):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+
+    monkeypatch.setattr(HostResidentPager, "_buffer", no_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        opt.step()
+    after = _snapshot(opt, params)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+    for i, s in before[1].items():
+        for k, v in s.items():
+            assert torch.equal(v, after[1][i][k]) if isinstance(v, torch.Tensor) else v == after[1][i][k], k
+    monkeypatch.setattr(HostResidentPager, "_buffer", real)
+    opt.step()
+    ref.step()
+    for a, b in zip(ref_params, params):
+        assert torch.equal(a, b)

@@ -21,9 +21,13 @@ from .step_counters import add_to_counters, subtract_from_counters
 
 
 def count_and_step(pager, plan: StepPlan, step_bucket: Callable, grad_scale, found_inf) -> None:
-    """What every step does around its buckets: step counters + 1, the pager told that a step
-    begins, ``step_bucket(i, bucket, grad_scale, found_inf)`` per bucket with GradScaler's tensors
+    """What every step does around its buckets: a streaming pager's device buffers allocated (so
+    that running out of memory there leaves everything as it was), step counters + 1, the pager
+    told that a step begins, ``step_bucket(i, bucket, grad_scale, found_inf)`` per bucket with GradScaler's tensors
     on the bucket's device, then counters - found_inf."""
+    if residency.streams_now(pager):  # the device buffers first: out of memory there changes nothing
+        for device in plan.steps_by_device:
+            pager.reserve(device)
     for steps in plan.steps_by_device.values():
         add_to_counters(steps, 1.0)
     if pager is not None:

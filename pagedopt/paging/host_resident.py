@@ -278,6 +278,13 @@ class HostResidentPager:
     def _backend(self, device: torch.device):
         return TimedCudaBackend if device.type == "cuda" else HostBackend
 
+    def reserve(self, device: DeviceLike) -> None:
+        """Allocate ``device``'s buffer and copy streams now (a pass would at its start), so that
+        a caller can meet a lack of memory before it changes anything."""
+        device = as_device(device)
+        self._buffer(device)
+        self._streams_of(device, self._backend(device))
+
     def _buffer(self, device: torch.device) -> torch.Tensor:
         buf = self._buffers.get(device)
         if buf is None:
