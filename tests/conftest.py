@@ -18,6 +18,14 @@ settings.register_profile("thorough", max_examples=300, deadline=None, print_blo
                           suppress_health_check=_quiet)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
+# Under pytest-xdist (make test: one worker per core) each worker takes its share of the cores for
+# torch's intra-op threads, and so do the processes its tests start (OMP_NUM_THREADS): with every
+# worker on every core, torch's threads contend, and a test that took 15 s alone took 126 s.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _share = max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    torch.set_num_threads(_share)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
