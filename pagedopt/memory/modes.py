@@ -45,12 +45,12 @@ nor managed memory (paged states) count there; ``peak`` adds both (what the GPU 
 """
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 from .estimator import PAGED_CHUNK_BYTES, STEP_BYTES, Estimate, estimate
 from .tables import EXTRA_STATE_BYTES, GIB, OPTIMIZERS
+from ..optim.byte_sizes import parse_bytes as parse_size  # sizes such as "4GiB", read as set_pager reads them
 
 # pagedopt.paging.host_resident.DEFAULT_DEVICE_BUFFER: the device buffer of host-resident states
 DEVICE_BUFFER_BYTES = 256 << 20
@@ -82,18 +82,6 @@ RECOMMENDED = ("resident", "resident_released", "budget_released", "budget", "ho
 RELEASED = ("resident_released", "budget_released", "host_released", "auto_released")
 BUDGETED = ("budget_released", "budget")
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_size(value, what: str = "size") -> int:
-    """Bytes from an int or a string such as "4GiB", "512MiB", "1.5GB" (as ``set_pager`` takes them)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ValueError(f"{what} must be a number of bytes >= 0 or a size such as '4GiB', got {value!r}")
 
 
 @dataclass
