@@ -223,19 +223,25 @@ def _loss(net):
     return torch.nn.functional.cross_entropy(net(ids).reshape(-1, 700), ids.reshape(-1))
 
 
-def test_host_residency_moves_and_pins_the_predicted_states():
-    """A real PagedAdamW8bit with host-resident states (CPU: the same pass, plain copies): the bytes it
-    copies in and back each step are the predicted link bytes, and what it keeps on the host is no
-    more than the predicted pinned bytes."""
+def _two_paged_steps(**pager):
+    """A tiny net and its PagedAdamW8bit with ``set_pager(**pager)``, after two steps."""
     net = _tiny_net()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opt = pagedopt.PagedAdamW8bit(net.parameters(), lr=1e-3)
-    opt.set_pager(residency="host")
+    opt.set_pager(**pager)
     for _ in range(2):
         _loss(net).backward()
         opt.step()
         opt.zero_grad()
+    return net, opt
+
+
+def test_host_residency_moves_and_pins_the_predicted_states():
+    """A real PagedAdamW8bit with host-resident states (CPU: the same pass, plain copies): the bytes it
+    copies in and back each step are the predicted link bytes, and what it keeps on the host is no
+    more than the predicted pinned bytes."""
+    net, opt = _two_paged_steps(residency="host")
     stats = opt.paging_stats()
     e = memory.estimate(Model(memory.tensors_from_module(net), ARCH, "net", True), "paged_adamw_8bit", "fp32")
     host = next(p for p in memory.predict_modes(e) if p.mode == "host")
@@ -248,16 +254,8 @@ def test_a_budget_keeps_about_its_bytes_and_moves_the_rest():
     """A real PagedAdamW8bit with device_budget= (hybrid): the states kept are at most the budget and
     short of it by less than one state tensor (they are placed whole, first come first kept); the
     bytes moved each way are the rest, as predicted up to that shortfall."""
-    net = _tiny_net()
     budget = 150_000
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        opt = pagedopt.PagedAdamW8bit(net.parameters(), lr=1e-3)
-    opt.set_pager(device_budget=budget)
-    for _ in range(2):
-        _loss(net).backward()
-        opt.step()
-        opt.zero_grad()
+    net, opt = _two_paged_steps(device_budget=budget)
     stats = opt.paging_stats()
     e = memory.estimate(Model(memory.tensors_from_module(net), ARCH, "net", True), "paged_adamw_8bit", "fp32")
     pred = next(p for p in memory.predict_modes(e, budget=budget) if p.mode == "budget")
