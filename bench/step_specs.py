@@ -44,6 +44,11 @@ def _torchao_adamw8bit():
     return AdamW8bit
 
 
+def _torchao_adamw4bit():
+    from torchao.optim import AdamW4bit
+    return AdamW4bit
+
+
 def _paged_bytes_pagedopt(opt) -> int:
     try:
         from pagedopt._ops import ops
@@ -90,7 +95,7 @@ def _page_out_bnb(opt) -> int:
 class Spec:
     name: str
     family: str
-    bits: int                      # 8 or 32: picks the floor bytes per param
+    bits: int                      # 4, 8 or 32: picks the floor bytes per param
     make: Callable                 # (params) -> optimizer
     sets: tuple = ("tinyllama", "small")
     dtypes: tuple = ("fp32", "bf16")
@@ -109,6 +114,8 @@ def build_specs(args) -> list[Spec]:
         Spec("pagedopt_adamw8bit", "pagedopt", 8, lambda ps: _pagedopt().AdamW8bit(ps, **HYPER)),
         Spec("pagedopt_paged_adamw8bit", "pagedopt", 8, lambda ps: _pagedopt().PagedAdamW8bit(ps, **HYPER),
              page_out=_page_out_pagedopt, paged_bytes=_paged_bytes_pagedopt),
+        Spec("pagedopt_adamw4bit", "pagedopt", 4, lambda ps: _pagedopt().AdamW4bit(ps, **HYPER),
+             note="4-bit states"),
         Spec("pagedopt_adamw32", "pagedopt", 32, lambda ps: _pagedopt().AdamW(ps, optim_bits=32, **HYPER),
              dtypes=("fp32",), note="32-bit states"),
         Spec("pagedopt_paged_adamw32bit", "pagedopt", 32, lambda ps: _pagedopt().PagedAdamW32bit(ps, **HYPER),
@@ -148,6 +155,10 @@ def build_specs(args) -> list[Spec]:
                           lambda ps: _torchao_adamw8bit()(ps, block_size=256, **HYPER), sets=sets, dtypes=dtypes,
                           warmup=args.torchao_warmup, repeat=args.torchao_repeat, min_budget_s=75,
                           note="torch.compile on first step"))
+        specs.append(Spec("torchao_adamw4bit", "torchao", 4,
+                          lambda ps: _torchao_adamw4bit()(ps, block_size=128, **HYPER), sets=sets, dtypes=dtypes,
+                          warmup=args.torchao_warmup, repeat=args.torchao_repeat, min_budget_s=75,
+                          note="torch.compile on first step"))
     return specs
 
 
@@ -157,10 +168,11 @@ def selected(spec: Spec, only: list[str]) -> bool:
     return any(spec.name == o or spec.name.startswith(o) or spec.family == o for o in only)
 
 
-def floor_bytes_per_param(bits: int, dtype: str, moments: int = 2) -> int:
+def floor_bytes_per_param(bits: int, dtype: str, moments: int = 2) -> float:
     """Bytes a step must move per parameter: the parameter read and written, the gradient read,
-    and each moment read and written (1 byte as an 8-bit code, 4 as fp32; absmax is under 2%).
-    torch's fused AdamW (bits 32 with a 16-bit dtype) keeps its moments in the parameter's dtype."""
+    and each moment read and written (1 byte as an 8-bit code, half a byte as a 4-bit one, 4 as
+    fp32; absmax is under 2% of an 8-bit state, 6% of a 4-bit one). torch's fused AdamW (bits 32
+    with a 16-bit dtype) keeps its moments in the parameter's dtype."""
     width = 2 if dtype == "bf16" else 4
-    state = 1 if bits == 8 else (width if dtype == "bf16" else 4)
+    state = {8: 1, 4: 0.5}.get(bits, width if dtype == "bf16" else 4)
     return 3 * width + 2 * moments * state

@@ -126,7 +126,7 @@ def _make(name, params, **kw):
                                                **kwargs_for(name), **kw})
 
 
-RESUME = ["AdamW8bit", "AdamW", "PagedAdamW8bit", "Lion8bit", "SGD8bit", "LAMB8bit", "AdEMAMix8bit", "RMSprop8bit"]
+RESUME = ["AdamW8bit", "AdamW", "PagedAdamW8bit", "Lion8bit", "SGD8bit", "LAMB8bit", "AdEMAMix8bit", "RMSprop8bit", "AdamW4bit"]
 
 
 @pytest.mark.parametrize("name", RESUME + ["SGD_plain"])
@@ -208,7 +208,7 @@ def _train_net(name, mode, device="cpu", steps=4):
     return [p.detach().cpu() for p in net.parameters()]
 
 
-PAGED = ["PagedAdamW8bit", "PagedAdamW", "PagedLion8bit", "PagedAdEMAMix8bit"]
+PAGED = ["PagedAdamW8bit", "PagedAdamW", "PagedLion8bit", "PagedAdEMAMix8bit", "PagedAdamW4bit"]
 
 
 @pytest.mark.parametrize("name", PAGED)

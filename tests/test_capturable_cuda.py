@@ -33,6 +33,8 @@ CASES = [
     ("Lion8bit", {}), ("Lion32bit", {}), ("AdEMAMix8bit", {}), ("AdEMAMix32bit", {}),
     ("SGD8bit", {"momentum": 0.9}), ("SGD", {"momentum": 0.0}), ("RMSprop8bit", {}), ("Adagrad8bit", {}),
     ("LARS8bit", {"momentum": 0.9}), ("LAMB8bit", {}), ("LAMB32bit", {}),
+    ("AdamW4bit", {}), ("PagedAdamW4bit", {}), ("Lion4bit", {}), ("AdEMAMix", {"optim_bits": 4}),
+    ("LAMB", {"optim_bits": 4}),
 ]
 
 

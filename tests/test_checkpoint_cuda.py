@@ -12,7 +12,8 @@ from pagedopt import paging
 
 ALL_CLASSES = [pagedopt.Adam, pagedopt.AdamW, pagedopt.Adam8bit, pagedopt.AdamW8bit, pagedopt.Adam32bit,
                pagedopt.AdamW32bit, pagedopt.PagedAdam, pagedopt.PagedAdamW, pagedopt.PagedAdam8bit,
-               pagedopt.PagedAdamW8bit, pagedopt.PagedAdam32bit, pagedopt.PagedAdamW32bit]
+               pagedopt.PagedAdamW8bit, pagedopt.PagedAdam32bit, pagedopt.PagedAdamW32bit, pagedopt.Adam4bit,
+               pagedopt.AdamW4bit, pagedopt.PagedAdam4bit, pagedopt.PagedAdamW4bit]
 # 32K to 4M elements as in the report, plus one below min_8bit_size (32-bit state) and an odd size
 SIZES = [(256, 128), (1000, 1000), (2048, 2048), 1000, 70001]
 
@@ -45,7 +46,7 @@ def storages_by_dtype(sd):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("cls", ALL_CLASSES, ids=lambda c: c.__name__)
 def test_save_load_resume_on_cuda(cls, dtype):
-    kwargs = {} if "8bit" in cls.__name__ or "32bit" in cls.__name__ else {"optim_bits": 8}
+    kwargs = {} if "bit" in cls.__name__ else {"optim_bits": 8}
     params = make(dtype)
     twin = [p.detach().clone().requires_grad_(True) for p in params]
     opt = cls(params, **kwargs)

@@ -47,7 +47,7 @@ def _snapshot(opt, params):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["AdamW8bit", "PagedAdamW8bit", "Lion8bit", "AdEMAMix32bit", "SGD8bit",
-                                  "RMSprop8bit"])
+                                  "RMSprop8bit", "AdamW4bit", "PagedLion4bit"])
 def test_fast_steps_on_the_gpu_are_the_ordinary_steps(name, dtype, monkeypatch):
     seen = []
     monkeypatch.setattr(optim_base, "fast_step", lambda o, p: seen.append(fast_module.fast_step(o, p)) or seen[-1])

@@ -54,7 +54,8 @@ NAMES = ["pagedopt_adam", "pagedopt_adamw", "pagedopt_adam_8bit", "pagedopt_adam
          "pagedopt_paged_ademamix_32bit", "pagedopt_sgd", "pagedopt_sgd_8bit", "pagedopt_sgd_32bit", "pagedopt_rmsprop",
          "pagedopt_rmsprop_8bit", "pagedopt_rmsprop_32bit", "pagedopt_adagrad", "pagedopt_adagrad_8bit",
          "pagedopt_adagrad_32bit", "pagedopt_lars", "pagedopt_lars_8bit", "pagedopt_lars_32bit", "pagedopt_lamb",
-         "pagedopt_lamb_8bit", "pagedopt_lamb_32bit"]
+         "pagedopt_lamb_8bit", "pagedopt_lamb_32bit", "pagedopt_adam_4bit", "pagedopt_adamw_4bit",
+         "pagedopt_paged_adam_4bit", "pagedopt_paged_adamw_4bit", "pagedopt_lion_4bit", "pagedopt_paged_lion_4bit"]
 VARIABLE_WIDTH = [n for n in NAMES if not n.endswith("bit")]  # the width is the optim_bits argument
 SEED, DATA_SEED = 0, 1
 # Hyperparameters unlike every default, so that each one is seen to come from the arguments.
@@ -146,7 +147,7 @@ def test_trainer_name(tmp_path, name, optim_args):
         assert opt.defaults.get("eps") == {"sgd": None, "rmsprop": 1e-8, "adagrad": 1e-10, "lars": None}[name.split("_")[1]]
     assert sorted({g["weight_decay"] for g in opt.param_groups}) == [0.0, args.weight_decay]
 
-    eight_bit = name.endswith("_8bit") or "optim_bits=8" in (optim_args or "")
+    eight_bit = name.endswith(("_8bit", "_4bit")) or "optim_bits=8" in (optim_args or "")  # quantized states
     emb32 = "embeddings_32bit=false" not in (optim_args or "").lower()
     emb = model.get_input_embeddings().weight
     n8 = 0
@@ -203,7 +204,7 @@ BAD = [
     ("pagedopt_adam", "beta2=0.9,beta2=0.95", "given twice"),
     ("pagedopt_adam", "beta1=abc", "not a float"),
     ("pagedopt_adam", "eps=inf", "not a finite float"),
-    ("pagedopt_adam", "optim_bits=16", "not 8 or 32"),
+    ("pagedopt_adam", "optim_bits=16", "not 4, 8 or 32"),
     ("pagedopt_adam", "min_8bit_size=1.5", "not an integer"),
     ("pagedopt_adam", "embeddings_32bit=maybe", "not a boolean"),
 ]

@@ -25,18 +25,18 @@ bad value is a ValueError that lists the accepted keys. Accepted:
 * ``beta1``, ``beta2``, ``eps``: override adam_beta1, adam_beta2, adam_epsilon (Lion takes no
   eps); the AdEMAMix names also take ``beta3`` (default 0.9999), ``alpha`` (5.0), ``t_alpha`` and
   ``t_beta3`` (warm-up lengths in steps; none by default), as transformers' own ``ademamix`` names;
-* ``optim_bits`` (8 or 32): only for the names whose class takes the width as an argument
+* ``optim_bits`` (4, 8 or 32): only for the names whose class takes the width as an argument
   (``pagedopt_adam``, ``pagedopt_adamw``, ``pagedopt_paged_adam``, ``pagedopt_paged_adamw``, and
   the same for lion and ademamix;
   their default is 32, as in the classes);
 * ``min_8bit_size`` (int) and ``embeddings_32bit`` (true/false): for the names that can keep
-  8-bit states (not the ``*_32bit`` ones, where they would do nothing);
+  8-bit or 4-bit states (not the ``*_32bit`` ones, where they would do nothing);
 * ``bf16_stochastic_round`` (true/false): every name; bf16 parameters' updates are rounded to
   bf16 stochastically (README, "bf16 parameters").
 
 Embeddings: as the Trainer does for bitsandbytes' 8-bit optimizers, every ``nn.Embedding`` of the
 model keeps 32-bit states (``pagedopt.GlobalOptimManager.register_module_override(module,
-"weight", {"optim_bits": 32})``) whenever the optimizer would keep 8-bit states;
+"weight", {"optim_bits": 32})``) whenever the optimizer would keep 8-bit (or 4-bit) states;
 ``optim_args="embeddings_32bit=false"`` turns that off (an earlier override of the same module
 by this module is then withdrawn). The override is applied when the optimizer is made (to the
 model the Trainer hands over; with ``optimizer_cls_and_kwargs``, only if ``model`` is passed) and
@@ -106,14 +106,15 @@ from ..optim import (LAMB, LARS, LAMB8bit, LAMB32bit, LARS8bit, LARS32bit, SGD, 
                      AdEMAMix, AdEMAMix8bit, AdEMAMix32bit, Adam, Adam8bit, Adam32bit, AdamW, AdamW8bit, AdamW32bit,
                      GlobalOptimManager, Lion, Lion8bit, Lion32bit, PagedAdam, PagedAdam8bit, PagedAdam32bit,
                      PagedAdamW, PagedAdamW8bit, PagedAdamW32bit, PagedAdEMAMix, PagedAdEMAMix8bit,
-                     PagedAdEMAMix32bit, PagedLion, PagedLion8bit, PagedLion32bit)
+                     PagedAdEMAMix32bit, PagedLion, PagedLion8bit, PagedLion32bit, Adam4bit, AdamW4bit,
+                     PagedAdam4bit, PagedAdamW4bit, Lion4bit, PagedLion4bit)
 
 __all__ = ["NAMES", "register", "optimizer_cls_and_kwargs", "parse_optim_args", "accepted_optim_args"]
 
 
 class OptimizerName(NamedTuple):
     cls: type
-    bits: Optional[int]   # the state width the class fixes (8 or 32), or None: chosen by optim_bits
+    bits: Optional[int]   # the state width the class fixes (4, 8 or 32), or None: chosen by optim_bits
 
 
 # One line per optimizer: Trainer name -> (class, fixed state width or None).
@@ -130,12 +131,18 @@ NAMES: dict[str, OptimizerName] = {
     "pagedopt_paged_adamw_8bit": OptimizerName(PagedAdamW8bit, 8),
     "pagedopt_paged_adam_32bit": OptimizerName(PagedAdam32bit, 32),
     "pagedopt_paged_adamw_32bit": OptimizerName(PagedAdamW32bit, 32),
+    "pagedopt_adam_4bit": OptimizerName(Adam4bit, 4),
+    "pagedopt_adamw_4bit": OptimizerName(AdamW4bit, 4),
+    "pagedopt_paged_adam_4bit": OptimizerName(PagedAdam4bit, 4),
+    "pagedopt_paged_adamw_4bit": OptimizerName(PagedAdamW4bit, 4),
     "pagedopt_lion": OptimizerName(Lion, None),
     "pagedopt_lion_8bit": OptimizerName(Lion8bit, 8),
     "pagedopt_lion_32bit": OptimizerName(Lion32bit, 32),
     "pagedopt_paged_lion": OptimizerName(PagedLion, None),
     "pagedopt_paged_lion_8bit": OptimizerName(PagedLion8bit, 8),
     "pagedopt_paged_lion_32bit": OptimizerName(PagedLion32bit, 32),
+    "pagedopt_lion_4bit": OptimizerName(Lion4bit, 4),
+    "pagedopt_paged_lion_4bit": OptimizerName(PagedLion4bit, 4),
     "pagedopt_ademamix": OptimizerName(AdEMAMix, None),
     "pagedopt_ademamix_8bit": OptimizerName(AdEMAMix8bit, 8),
     "pagedopt_ademamix_32bit": OptimizerName(AdEMAMix32bit, 32),
@@ -232,8 +239,8 @@ def _parse_value(key: str, value: str, optim_args: str):
             v = int(value)
         except ValueError:
             raise bad("an integer") from None
-        if key == "optim_bits" and v not in (8, 32):
-            raise bad("8 or 32")
+        if key == "optim_bits" and v not in (4, 8, 32):
+            raise bad("4, 8 or 32")
         if v < 0:
             raise bad("an integer >= 0")
         return v
@@ -276,9 +283,9 @@ def optimizer_cls_and_kwargs(name, training_args, model: Optional[torch.nn.Modul
     for key in ("optim_bits", "min_8bit_size", "bf16_stochastic_round"):
         if key in opts:
             kwargs[key] = opts[key]
-    eight_bit = entry.bits == 8 or (entry.bits is None and kwargs.get("optim_bits", 32) == 8)
+    bits = entry.bits if entry.bits is not None else kwargs.get("optim_bits", 32)
     if model is not None:
-        _override_embeddings(model, eight_bit and opts.get("embeddings_32bit", True))
+        _override_embeddings(model, bits < 32 and opts.get("embeddings_32bit", True))
     return entry.cls, kwargs
 
 

@@ -29,11 +29,11 @@ def format_estimate(e: Estimate, gpu=None, compare: bool = True) -> str:
     label, bits, paged, _ = OPTIMIZERS[e.optimizer]
     lines = [f"model: {e.n_params:,} parameters ({e.model.source}); trainable: {e.n_trainable:,}",
              f"{mode}; weights {e.weights_dtype}; optimizer {e.optimizer} ({label}"
-             + (f", min_8bit_size={s['min_8bit_size']}" if bits == 8 else "") + ")"
+             + (f", min_8bit_size={s['min_8bit_size']}" if bits in (4, 8) else "") + ")"
              + f"; batch {s['batch']} x seq {s['seq']}; gradient checkpointing {'on' if s['gradient_checkpointing'] else 'off'}"
              + f"; attention {s['attention']}", ""]
-    if bits == 8:
-        states_note = (f"8-bit for {e.params_8bit:,} of {e.n_trainable:,} trainable params"
+    if bits in (4, 8):
+        states_note = (f"{bits}-bit for {e.params_8bit:,} of {e.n_trainable:,} trainable params"
                        + ("" if e.model.exact else " (approximate: shapes unknown)"))
     elif bits == 32:
         states_note = "fp32 m and v: 8 bytes/param"

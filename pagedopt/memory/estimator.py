@@ -16,6 +16,7 @@ What is exact and what is not
   - pagedopt 8-bit, ``numel >= min_8bit_size``: ``k*numel`` (uint8 codes of the k moments: Adam's m
     and v, k = 2; Lion, SGD, RMSprop, Adagrad k = 1; AdEMAMix k = 3) ``+ 4k*ceil(numel/256)`` (one fp32
     absmax per moment and 256-element block) ``+ 4`` (fp32 ``step``);
+  - pagedopt 4-bit, likewise: ``k*ceil(numel/2)`` (two codes a byte) ``+ 4k*ceil(numel/128)`` ``+ 4``;
   - pagedopt 32-bit, or below ``min_8bit_size``: ``4k*numel + 4``;
   - ``torch.optim.AdamW``: ``2*numel*sizeof(param dtype) + 4`` (``exp_avg``/``exp_avg_sq`` take the
     parameter's dtype: bf16 weights get bf16 states).
@@ -56,6 +57,7 @@ from .model import Arch, Model, Tensor
 from .tables import ALIASES, DTYPE_BYTES, EXTRA_STATE_BYTES, GPUS, OPTIMIZERS
 
 BLOCK = 256  # elements per absmax block (pagedopt.quant.STATE_BLOCK_SIZE)
+BLOCK4 = 128  # elements per absmax block of 4-bit states (pagedopt.optim.state_format.CODES4)
 STEP_BYTES = 4  # the fp32 scalar ``step`` of every parameter's state (pagedopt and torch alike)
 # CUDA context + loaded kernels + cuBLAS/cuDNN workspaces held outside torch's caching allocator:
 # a few hundred MiB with CUDA 12 lazy module loading (torch's default); measured as
@@ -92,6 +94,8 @@ def state_bytes_of_tensor(numel: int, optimizer: str, param_bytes: int, min_8bit
         return moments * numel * param_bytes + fixed, False
     if bits == 8 and numel >= min_8bit_size and not (embedding and embeddings_32bit):
         return moments * (numel + 4 * ((numel + BLOCK - 1) // BLOCK)) + fixed, True
+    if bits == 4 and numel >= min_8bit_size and not (embedding and embeddings_32bit):
+        return moments * ((numel + 1) // 2 + 4 * ((numel + BLOCK4 - 1) // BLOCK4)) + fixed, True
     return 4 * moments * numel + fixed, False
 
 
@@ -241,7 +245,7 @@ def estimate(model: Model, optimizer: str = "adamw_8bit", weights: str = "bf16",
         states += sb
         if eight:
             params_8bit += t.numel
-        elif bits == 32 or bits == 8:
+        elif bits is not None:
             upcast += t.numel  # pagedopt's 32-bit path
     # step temporaries: torch's foreach AdamW (its CUDA default) makes one state-sized list
     # (sqrt(exp_avg_sq)), its fused kernel (fused=True) none; pagedopt's 32-bit path upcasts 16-bit params and grads of a whole bucket to

@@ -24,6 +24,10 @@ OPTIMIZERS = {
     "paged_adamw_8bit": ("pagedopt.PagedAdamW8bit", 8, True, 2),
     "adamw_32bit": ("pagedopt.AdamW32bit", 32, False, 2),
     "paged_adamw_32bit": ("pagedopt.PagedAdamW32bit", 32, True, 2),
+    "adamw_4bit": ("pagedopt.AdamW4bit", 4, False, 2),
+    "paged_adamw_4bit": ("pagedopt.PagedAdamW4bit", 4, True, 2),
+    "lion_4bit": ("pagedopt.Lion4bit", 4, False, 1),
+    "paged_lion_4bit": ("pagedopt.PagedLion4bit", 4, True, 1),
     "lion_8bit": ("pagedopt.Lion8bit", 8, False, 1),
     "paged_lion_8bit": ("pagedopt.PagedLion8bit", 8, True, 1),
     "lion_32bit": ("pagedopt.Lion32bit", 32, False, 1),
@@ -41,7 +45,7 @@ EXTRA_STATE_BYTES = {"lars_8bit": 4, "lamb_8bit": 4}
 # other names of the optimizers above (normalize_optimizer)
 ALIASES = {"adamw": "adamw_torch", "torch": "adamw_torch", "adam_torch": "adamw_torch", "torch_fused": "adamw_torch_fused",
            "adam_8bit": "adamw_8bit", "paged_adam_8bit": "paged_adamw_8bit", "adam_32bit": "adamw_32bit",
-           "paged_adam_32bit": "paged_adamw_32bit"}
+           "paged_adam_32bit": "paged_adamw_32bit", "adam_4bit": "adamw_4bit", "paged_adam_4bit": "paged_adamw_4bit"}
 
 # Llama-like presets for --config NAME (published config.json values).
 PRESETS = {

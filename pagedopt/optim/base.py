@@ -1,7 +1,7 @@
 """The one optimizer base class, QuantizedOptimizer: step planning, GradScaler, paging and
 checkpoints for every algorithm. An algorithm declares its states and hyperparameters in an
-AlgorithmSpec (algorithm.py); each public class is a short declaration (adam.py, lion.py,
-ademamix.py).
+AlgorithmSpec (algorithms/spec.py); each public class is a line of a table (algorithms/adam.py,
+algorithms/lion.py, ...).
 
 State layout per parameter follows bitsandbytes, so checkpoints carry over (Adam's shown; the
 spec says which keys an algorithm has):
@@ -10,6 +10,8 @@ spec says which keys an algorithm has):
   parameter (a state holding two stacked moments has shape ``(2, *param.shape)``),
   ``absmax1``/``absmax2`` float32 with one entry per 256-element block (per moment),
   ``qmap1`` (signed codebook) / ``qmap2`` (unsigned codebook), ``step``.
+* 4-bit (``optim_bits=4``, pagedopt's own): two codes a byte, flat, one absmax per 128-element
+  block, 16-entry codebooks (state_format.py).
 * 32-bit: ``state1``/``state2`` float32 of the same shapes, ``step``.
 
 A DTensor parameter (FSDP2) keeps these states for its local shard only, as plain tensors; its
@@ -25,17 +27,18 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import _ops
-from ..quant import STATE_BLOCK_SIZE, dynamic_codebook
+from ..quant import dynamic_codebook, dynamic_codebook_4bit, linear_codebook_4bit_no_zero
 from . import capture, checkpoint, executor, sharding
 from .algorithms.spec import AlgorithmSpec
 from .byte_sizes import optimizer_state_bytes  # noqa: F401  (public here)
 from .fast_step import fast_step, hold_params_for_fast_steps
 from .global_manager import GlobalOptimManager
-from .grad_checks import raise_bad_grad, raise_bad_sharding
+from .grad_checks import locate, raise_bad_grad, raise_bad_sharding
 from .hyperparameters import check_hyperparameters
 from .pager_control import PAGED_SLAB_BYTES, PagerControl
 from .plan import StepPlan, build_plan, is_current
 from .residency import streams_now, streams_states
+from .state_format import CODES8, StateFormat, format_for
 from .state_table import StateTable
 
 
@@ -99,7 +102,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
             from ..paging import PageManager
 
             self._pager = PageManager(arena_bytes=PAGED_SLAB_BYTES)
-        self._codebooks: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._codebooks: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, bits) -> codebooks
         self._plan_version = 0  # bumped whenever param groups are replaced or added
         self._plan = None
         self._checked_settings: list[dict] = []  # each group's settings as last checked (_check_changed_settings)
@@ -154,16 +157,21 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
             self._backward_updates.hook_params(self.param_groups[-1]["params"])
 
     # ------------------------------------------------------------------ state
-    def codebooks_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (signed, unsigned) dynamic codebooks on ``device``, shared by every parameter there."""
-        if device not in self._codebooks:
-            self._codebooks[device] = (dynamic_codebook(True, device), dynamic_codebook(False, device))
-        return self._codebooks[device]
+    def codebooks_on(self, device: torch.device, fmt: StateFormat = CODES8) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (signed, unsigned) codebooks of quantized format ``fmt`` on ``device``, shared by
+        every parameter there: the dynamic maps (8-bit), the signed 4-bit dynamic map and the
+        linear map without zero (4-bit)."""
+        key = (device, fmt.bits)
+        if key not in self._codebooks:
+            self._codebooks[key] = ((dynamic_codebook(True, device), dynamic_codebook(False, device)) if fmt.bits == 8
+                                    else (dynamic_codebook_4bit(True, device), linear_codebook_4bit_no_zero(device)))
+        return self._codebooks[key]
 
-    def default_qmap(self, qmap_key: str, device: torch.device) -> torch.Tensor:
-        """The codebook this algorithm gives the state of ``qmap_key`` (``qmap1``...) on ``device``."""
+    def default_qmap(self, qmap_key: str, device: torch.device, fmt: StateFormat = CODES8) -> torch.Tensor:
+        """The codebook this algorithm gives the state of ``qmap_key`` (``qmap1``...) in format
+        ``fmt`` on ``device``."""
         spec = next(s for s in self.algorithm.states if s.qmap_key == qmap_key)
-        signed, unsigned = self.codebooks_on(device)
+        signed, unsigned = self.codebooks_on(device, fmt)
         return signed if spec.signed else unsigned
 
     def state_zeros(self, shape, dtype, device) -> torch.Tensor:
@@ -178,9 +186,10 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         out.copy_(t)
         return out
 
-    def uses_8bit(self, config: dict, p: torch.Tensor) -> bool:
-        """Whether a new state for ``p`` is 8-bit under ``config`` (its group and overrides)."""
-        return config["optim_bits"] == 8 and p.numel() >= config["min_8bit_size"]
+    def state_format(self, config: dict, p: torch.Tensor) -> StateFormat:
+        """The format of a new state for ``p`` under ``config`` (its group and overrides):
+        ``optim_bits`` (4 or 8) when it has at least ``min_8bit_size`` elements, else 32-bit."""
+        return format_for(config, p.numel())
 
     def overrides(self, param_groups: list[dict]) -> dict[tuple[int, int], dict]:
         """GlobalOptimManager's per-parameter settings for ``param_groups``, checked."""
@@ -206,14 +215,16 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32, device=local.device)
         if not needs_states:
             return state
-        eight_bit = self.uses_8bit(config, p)
-        blocks = (local.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
+        fmt = self.state_format(config, p)
+        if fmt.bits == 4 and sharding.is_dtensor(p):
+            raise ValueError(f"{locate(self.param_groups, p)}: 4-bit states of a DTensor (FSDP2) parameter are not "
+                             "supported; use optim_bits=8 for it (a GlobalOptimManager override) or for the group")
         for s in spec.states:
-            state[s.key] = self.state_zeros(s.shape(local.shape), torch.uint8 if eight_bit else torch.float32,
-                                            local.device)
-            if eight_bit:
-                state[s.absmax_key] = self.state_zeros(s.absmax_shape(blocks), torch.float32, local.device)
-                state[s.qmap_key] = self.default_qmap(s.qmap_key, local.device)
+            state[s.key] = self.state_zeros(fmt.state_shape(s.moments, local.shape), fmt.dtype, local.device)
+            if fmt.quantized:
+                state[s.absmax_key] = self.state_zeros(fmt.absmax_shape(s.moments, local.numel()), torch.float32,
+                                                       local.device)
+                state[s.qmap_key] = self.default_qmap(s.qmap_key, local.device, fmt)
         for key in spec.extra_keys:
             if key not in state:
                 state[key] = torch.zeros((1,), dtype=torch.float32, device=local.device)

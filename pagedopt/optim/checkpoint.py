@@ -10,8 +10,8 @@ place: ``param_groups[i]['params'][j]`` and the state key, or ``param_groups[i][
 
 pagedopt's and bitsandbytes' states keep their saved width (a 32-bit state in a group that says
 8-bit round-trips, and the reverse). A torch state is converted to the state the parameter would
-get here: quantized to 8-bit codes where its group (or a GlobalOptimManager override) says
-``optim_bits=8`` and it has at least ``min_8bit_size`` elements, float32 otherwise.
+get here: quantized to 8-bit (or 4-bit) codes where its group (or a GlobalOptimManager override)
+says ``optim_bits=8`` (or 4) and it has at least ``min_8bit_size`` elements, float32 otherwise.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _ops
-from ..quant import CODEBOOK_SIZE, STATE_BLOCK_SIZE
 from .sharding import local, localize_state
+from .state_format import BY_CODEBOOK_SIZE, CODES4, CODES8, FLOAT32, StateFormat
 from .state_keys import (ABSMAX_KEYS, ABSMAX_LAYOUT_KEY, BNB_NESTED_KEY, MOMENT_KEYS, QMAP_KEYS, TORCH_GROUP_FLAGS,
                          TORCH_MOMENT_KEYS, refuse)
 
@@ -146,20 +146,28 @@ def read_param_state(saved: Any, p: torch.Tensor, where: str, spec: "AlgorithmSp
     if dtype not in (torch.uint8, torch.float32):
         raise refuse(f"{where} 'state1' must be a uint8 (8-bit) or float32 (32-bit) tensor, got "
                       f"{dtype if dtype is not None else type(first).__name__}")
+    fmt = FLOAT32 if dtype == torch.float32 else _quantized_format(state, spec)
     for st in spec.states:
-        out[st.key] = _tensor(state, st.key, where, dtype, st.shape(p.shape))
-    if dtype == torch.uint8:
-        blocks = (p.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
+        out[st.key] = _tensor(state, st.key, where, dtype, fmt.state_shape(st.moments, p.shape))
+    if fmt.quantized:
         for st in spec.states:
-            out[st.absmax_key] = _tensor(state, st.absmax_key, where, torch.float32, st.absmax_shape(blocks))
+            out[st.absmax_key] = _tensor(state, st.absmax_key, where, torch.float32,
+                                         fmt.absmax_shape(st.moments, p.numel()))
             _check_finite(out[st.absmax_key], st.absmax_key, where, low=0.0)
-            out[st.qmap_key] = _tensor(state, st.qmap_key, where, torch.float32, (CODEBOOK_SIZE,))
+            out[st.qmap_key] = _tensor(state, st.qmap_key, where, torch.float32, (fmt.codebook_size,))
             _check_qmap(out[st.qmap_key], st.qmap_key, where)
     else:
         stray = [k for k in spec.absmax_keys + spec.qmap_keys if k in state]
         if stray:
-            raise refuse(f"{where} {stray[0]!r} belongs to an 8-bit state, but 'state1' is float32")
+            raise refuse(f"{where} {stray[0]!r} belongs to a quantized state, but 'state1' is float32")
     return out
+
+
+def _quantized_format(state: Mapping, spec: "AlgorithmSpec") -> StateFormat:
+    """The format of uint8 codes, from the size of their first codebook (16 entries: 4-bit;
+    anything else is read as 8-bit, whose checks then name what is wrong)."""
+    first = state.get(spec.states[0].qmap_key)
+    return CODES4 if isinstance(first, torch.Tensor) and first.numel() == CODES4.codebook_size else CODES8
 
 
 def read_group(opt, gi: int, saved: Any, current: dict) -> dict:
@@ -232,20 +240,20 @@ def plan_load(opt, state_dict: Any) -> tuple[list[dict], dict]:
         p = new_groups[gi]["params"][pi]
         if "exp_avg" in fields:
             config = {**new_groups[gi], **overrides.get((gi, pi), {})}
-            fields = _from_torch(opt, fields, local(p), opt.uses_8bit(config, p))
+            fields = _from_torch(opt, fields, local(p), opt.state_format(config, p))
         new_state[p] = _materialize(opt, fields, local(p))
     return new_groups, new_state
 
 
-def _from_torch(opt, fields: dict, p: torch.Tensor, eight_bit: bool) -> dict:
+def _from_torch(opt, fields: dict, p: torch.Tensor, fmt: StateFormat) -> dict:
     out = {k: v for k, v in fields.items() if k not in TORCH_MOMENT_KEYS}
     m, v = (fields[k].to(p.device) for k in TORCH_MOMENT_KEYS)
-    if not eight_bit:
+    if not fmt.quantized:
         out["state1"], out["state2"] = m, v
         return out
-    out["qmap1"], out["qmap2"] = opt.codebooks_on(p.device)
-    out["state1"], out["absmax1"] = _ops.quantize_blockwise(m.contiguous(), out["qmap1"], STATE_BLOCK_SIZE)
-    out["state2"], out["absmax2"] = _ops.quantize_blockwise(v.contiguous(), out["qmap2"], STATE_BLOCK_SIZE)
+    out["qmap1"], out["qmap2"] = opt.codebooks_on(p.device, fmt)
+    out["state1"], out["absmax1"] = _ops.quantize_blockwise(m.contiguous(), out["qmap1"], fmt.block)
+    out["state2"], out["absmax2"] = _ops.quantize_blockwise(v.contiguous(), out["qmap2"], fmt.block)
     return out
 
 
@@ -257,7 +265,7 @@ def _materialize(opt, fields: dict, p: torch.Tensor) -> dict:
         if k == "step":
             state[k] = torch.tensor(v, dtype=torch.float32, device=p.device)
         elif k in QMAP_KEYS:
-            default = opt.default_qmap(k, p.device)
+            default = opt.default_qmap(k, p.device, BY_CODEBOOK_SIZE.get(v.numel(), CODES8))
             state[k] = default if torch.equal(v.cpu(), default.cpu()) else v.to(p.device, copy=True)
         elif k in MOMENT_KEYS + ABSMAX_KEYS:
             state[k] = opt.state_copy(v, p.device)

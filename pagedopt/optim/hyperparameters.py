@@ -43,8 +43,8 @@ def check_hyperparameters(h: dict, where: str, n_betas: int = 2, has_eps: bool =
         v = number(key)
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"Invalid {name(key)}: {v!r} (must be a finite float >= 0)")
-    if isinstance(h["optim_bits"], bool) or h["optim_bits"] not in (8, 32):
-        raise ValueError(f"Invalid {name('optim_bits')}: {h['optim_bits']!r} (must be 8 or 32)")
+    if isinstance(h["optim_bits"], bool) or h["optim_bits"] not in (4, 8, 32):
+        raise ValueError(f"Invalid {name('optim_bits')}: {h['optim_bits']!r} (must be 4, 8 or 32)")
     m = h["min_8bit_size"]
     if not isinstance(m, int) or isinstance(m, bool) or m < 0:
         raise ValueError(f"Invalid {name('min_8bit_size')}: {m!r} (must be an int >= 0)")

@@ -82,7 +82,7 @@ def sr_args(group: dict, bucket: Bucket, chunk: Chunk) -> dict:
 def engine_step(spec: AlgorithmSpec, bucket: Bucket, chunk: Chunk, hyper: list, lr, grad_scale, found_inf,
                 scales: Optional[torch.Tensor] = None, sr: Optional[dict] = None) -> None:
     lists = chunk.lists
-    absmax = [lists[k] for k in spec.absmax_keys] if bucket.eight_bit else []
+    absmax = [lists[k] for k in spec.absmax_keys] if bucket.fmt.quantized else []
     _ops.quantized_step_(spec.engine, chunk.work_params, chunk.work_grads, [lists[k] for k in spec.state_keys], absmax,
                          lists["step"], bucket.qmaps(spec), hyper, grad_scale=grad_scale, found_inf=found_inf,
                          scales=scales, lr=lr, **(sr or {}))
@@ -162,7 +162,7 @@ def step_chunk(spec: AlgorithmSpec, bucket: Bucket, group: dict, chunk: Chunk, g
 def update_squares(spec: AlgorithmSpec, bucket: Bucket, chunk: Chunk, hyper: list, lr, grad_scale) -> torch.Tensor:
     """(n, 2) float64: each tensor's sum of squares of its update direction and of its values."""
     lists, work_params = chunk.lists, chunk.work_params
-    absmax = [lists[k] for k in spec.absmax_keys] if bucket.eight_bit else []
+    absmax = [lists[k] for k in spec.absmax_keys] if bucket.fmt.quantized else []
     squares = torch.empty((len(work_params), 2), dtype=torch.float64, device=work_params[0].device)
     norms = torch.empty(len(work_params), dtype=torch.float64, device=work_params[0].device)
     _ops.quantized_update_norm_(spec.engine, work_params, chunk.work_grads, [lists[k] for k in spec.state_keys],

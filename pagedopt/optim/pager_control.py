@@ -3,11 +3,8 @@
 ``paging_stats``, and the check that host-resident states fit their device buffer."""
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ..quant import STATE_BLOCK_SIZE
 from . import sharding
 from .byte_sizes import optimizer_state_bytes, parse_bytes
 
@@ -179,12 +176,8 @@ class PagerControl:
         elif not self.algorithm.needs_states(config):
             return
         else:
-            local = sharding.local(p)
-            eight_bit = self.uses_8bit(config, p)
-            blocks = (local.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
-            nbytes = sum(math.prod(spec.shape(local.shape)) * (1 if eight_bit else 4)
-                         + (4 * math.prod(spec.absmax_shape(blocks)) if eight_bit else 0)
-                         for spec in self.algorithm.states)
+            fmt = self.state_format(config, p)
+            nbytes = sum(fmt.state_bytes(spec.moments, sharding.local_numel(p)) for spec in self.algorithm.states)
         # each state tensor's region is rounded up to the buffer's alignment (host_resident.REGION_ALIGN)
         from ..paging.host_resident import REGION_ALIGN
 

@@ -1,8 +1,8 @@
 """The step plan: the buckets of a set of parameters with gradients, built once and reused while
 the parameters, the param groups and the state stay the same.
 
-A bucket is one kernel call's worth of parameters: same group, device, dtype, state width,
-codebooks and per-parameter overrides. It names its state lists by key (``lists["state1"]``,
+A bucket is one kernel call's worth of parameters: same group, device, dtype, state format
+(state_format.py), codebooks and per-parameter overrides. It names its state lists by key (``lists["state1"]``,
 ``lists["absmax1"]``, ``lists["step"]``), and says which kernel functional updates it
 (``kernel``: kernels.py). ``is_current`` is the one test of whether a plan still fits.
 
@@ -19,6 +19,7 @@ import torch
 
 from . import sharding
 from .algorithms.spec import AlgorithmSpec
+from .state_format import FLOAT32, StateFormat, format_of
 from .state_table import StateTable
 from .step_counters import share_step_counters
 
@@ -28,7 +29,7 @@ ENGINE, FUSED32, STATELESS = "engine", "fused32", "stateless"
 class Bucket(NamedTuple):
     gi: int
     device: torch.device
-    eight_bit: bool
+    fmt: StateFormat           # the format of its states (32-, 8- or 4-bit)
     stateful: bool             # False: the parameters have no state but `step` (plain SGD)
     index: list[int]           # positions in step()'s list of parameters with gradients
     params: list[torch.Tensor]
@@ -41,8 +42,8 @@ class Bucket(NamedTuple):
     sr_offsets: list           # and the index of its (local) first element in the whole parameter
 
     def qmaps(self, spec: AlgorithmSpec) -> list:
-        """The codebooks of an 8-bit bucket, in the order of the spec's states (empty: 32-bit)."""
-        return [self.states[0][q] for q in spec.qmap_keys] if self.eight_bit else []
+        """The codebooks of a quantized bucket, in the order of the spec's states (empty: 32-bit)."""
+        return [self.states[0][q] for q in spec.qmap_keys] if self.fmt.quantized else []
 
 
 class StepPlan(NamedTuple):
@@ -85,19 +86,19 @@ def sr_place(position: int, p: torch.Tensor) -> tuple[int, int]:
     return position | (shard << 32), offset
 
 
-def kernel_of(spec: AlgorithmSpec, eight_bit: bool, stateful: bool) -> str:
+def kernel_of(spec: AlgorithmSpec, quantized: bool, stateful: bool) -> str:
     if not stateful:
         return STATELESS
-    return FUSED32 if spec.fused32 is not None and not eight_bit else ENGINE
+    return FUSED32 if spec.fused32 is not None and not quantized else ENGINE
 
 
-def hold_states(spec: AlgorithmSpec, lists: dict, first_state: dict, eight_bit: bool):
+def hold_states(spec: AlgorithmSpec, lists: dict, first_state: dict, quantized: bool):
     """The bucket's state lists held by the C++ side, so that a step passes only parameters and
     gradients (see quantized_state_list.h); ``first_state`` gives the codebooks."""
     return torch.classes.pagedopt.QuantizedStateList(
         spec.engine, [t for k in spec.state_keys for t in lists[k]],
-        [t for k in spec.absmax_keys for t in lists[k]] if eight_bit else [], lists["step"],
-        [first_state[q] for q in spec.qmap_keys] if eight_bit else [])
+        [t for k in spec.absmax_keys for t in lists[k]] if quantized else [], lists["step"],
+        [first_state[q] for q in spec.qmap_keys] if quantized else [])
 
 
 def build_plan(spec: AlgorithmSpec, param_groups: list[dict], state: StateTable, version: int,
@@ -135,28 +136,28 @@ def build_plan(spec: AlgorithmSpec, param_groups: list[dict], state: StateTable,
     for i, (p, (gi, override, _)) in enumerate(zip(params, configs)):
         st = state[p]
         stateful = first_key in st
-        eight_bit = stateful and st[first_key].dtype == torch.uint8
-        codebooks = tuple(id(st[q]) for q in spec.qmap_keys) if eight_bit else None
+        fmt = format_of(st, spec.states[0].qmap_key, first_key) if stateful else FLOAT32
+        codebooks = tuple(id(st[q]) for q in spec.qmap_keys) if fmt.quantized else None
         setting = tuple(sorted((k, v) for k, v in override.items() if k not in ("optim_bits", "min_8bit_size")))
-        members[(gi, p.device, p.dtype, eight_bit, stateful, codebooks, setting)].append(i)
+        members[(gi, p.device, p.dtype, fmt, stateful, codebooks, setting)].append(i)
     on_device: dict[torch.device, list[dict]] = defaultdict(list)
     for (_, device, *_), index in members.items():
         on_device[device] += [state[params[i]] for i in index]
     # before the state lists are held: they take the shared counters (step_counters.py)
     steps_by_device = {device: share_step_counters(states, device) for device, states in on_device.items()}
     buckets = []
-    for (gi, device, _, eight_bit, stateful, _, setting), index in members.items():
+    for (gi, device, _, fmt, stateful, _, setting), index in members.items():
         bucket_params = [params[i] for i in index]
         states = [state[p] for p in bucket_params]
-        lists = {k: [s[k] for s in states] for k in spec.call_keys(eight_bit, stateful)}
-        kernel = kernel_of(spec, eight_bit, stateful)
+        lists = {k: [s[k] for s in states] for k in spec.call_keys(fmt.quantized, stateful)}
+        kernel = kernel_of(spec, fmt.quantized, stateful)
         # held in C++ where one call does the whole bucket (not streamed states, nor a norm pass first)
-        held = (hold_states(spec, lists, states[0], eight_bit) if kernel == ENGINE and not streamed
+        held = (hold_states(spec, lists, states[0], fmt.quantized) if kernel == ENGINE and not streamed
                 and not spec.norm_scaled else None)
         places = [sr_place(group_start[index_of[id(p)][0]] + index_of[id(p)][1], p) for p in bucket_params]
         ids, offsets = [place[0] for place in places], [place[1] for place in places]
         if held is not None:
             held.set_sr_ids(ids, offsets)
-        buckets.append(Bucket(gi, device, eight_bit, stateful, index, bucket_params, states, lists, held,
+        buckets.append(Bucket(gi, device, fmt, stateful, index, bucket_params, states, lists, held,
                               dict(setting), kernel, ids, offsets))
     return StepPlan(plan_key(state, version, params), buckets, steps_by_device, sharding.has_dtensor(params), False)

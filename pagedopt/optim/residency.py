@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..paging import aligned_bytes
-from ..quant import STATE_BLOCK_SIZE
+from .state_format import format_of
 
 # Paged steps are split into chunks of about this many state bytes, so that paging in the
 # next chunk overlaps the update of the current one.
@@ -73,8 +73,8 @@ def make_chunk(params, grads, lists: dict, contiguous: bool, index=None, offsets
     return Chunk(params, work_params, work_grads, lists, index, offsets)
 
 
-# Pieces of a cut parameter start at multiples of this many elements: whole 256-element blocks of
-# 8-bit states, and whole vectors of torch's fused 32-bit CPU kernel (see kernels.FP32_COPY_ALIGN)
+# Pieces of a cut parameter start at multiples of this many elements: whole blocks of 8-bit (256
+# elements) and 4-bit states (128 elements, 64 bytes), and whole vectors of torch's fused 32-bit CPU kernel (see kernels.FP32_COPY_ALIGN)
 CUT_ALIGN = 1024
 
 
@@ -101,17 +101,15 @@ def pieces(j: int, p: torch.Tensor, state: dict, keys: tuple, limit: int, cuttab
     n = p.numel()
     if not cuttable or whole.nbytes <= limit or not p.is_contiguous():
         return [whole]
-    per_element = sum(t.element_size() for k, t in host.items() if k.startswith("state"))
-    step = max(limit // max(per_element, 1) // CUT_ALIGN * CUT_ALIGN, CUT_ALIGN)
+    fmt = format_of(state, "qmap1")
+    per_element = sum(t.numel() * t.element_size() for k, t in host.items() if k.startswith("state")) / max(n, 1)
+    step = max(int(limit // max(per_element, 1e-9)) // CUT_ALIGN * CUT_ALIGN, CUT_ALIGN)
     out = []
     for a in range(0, n, step):
         b = min(a + step, n)
         by_key = {}
         for k, t in host.items():
-            if k.startswith("absmax"):
-                by_key[k] = t.view(-1)[a // STATE_BLOCK_SIZE:(b + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE]
-            else:
-                by_key[k] = t.view(-1)[a:b]
+            by_key[k] = t.view(-1)[fmt.absmax_range(a, b) if k.startswith("absmax") else fmt.code_range(a, b)]
         out.append(Piece(j, a, b, by_key, stays))
     return out
 

@@ -3,8 +3,9 @@ Adam/AdamW kernels) with the bitsandbytes classes' names, signatures and state l
 
 Adam* use L2 weight decay (added to the gradient), AdamW* decoupled decay, exactly as torch.
 The *8bit classes always keep 8-bit states (their optim_bits argument is accepted for
-signature compatibility, as in bitsandbytes, and must be 8 or 32); *32bit always 32-bit;
-Paged* always page their states through CUDA unified memory.
+signature compatibility, as in bitsandbytes, and must be 8 or 32); *4bit always 4-bit states
+(pagedopt's own: two codes a byte, blocks of 128, optimizer/state_format.py); *32bit always
+32-bit; Paged* always page their states through CUDA unified memory.
 """
 from dataclasses import replace
 
@@ -42,17 +43,22 @@ _ADAMW = dict(spec=ADAMW, defaults={"weight_decay": 1e-2}, attrs={"decoupled": T
 _PAGED = dict(paged=True, drop=("is_paged",))
 
 globals().update(make_classes(FAMILY, [
-    Variant("Adam", f"Adam with states of optim_bits (32 or 8) bits; {_L2}.", **_ADAM),
+    Variant("Adam", f"Adam with states of optim_bits (32, 8 or 4) bits; {_L2}.", **_ADAM),
     Variant("Adam8bit", f"Adam with 8-bit blockwise-quantized states; {_L2}.", bits=8, **_ADAM),
     Variant("Adam32bit", f"Adam with 32-bit states; {_L2}.", bits=32, **_ADAM),
-    Variant("PagedAdam", f"Paged Adam with states of optim_bits (32 or 8) bits; {_L2}.", **_PAGED, **_ADAM),
+    Variant("Adam4bit", f"Adam with 4-bit blockwise-quantized states; {_L2}.", bits=4, **_ADAM),
+    Variant("PagedAdam", f"Paged Adam with states of optim_bits (32, 8 or 4) bits; {_L2}.", **_PAGED, **_ADAM),
     Variant("PagedAdam8bit", f"Paged Adam with 8-bit blockwise-quantized states; {_L2}.", bits=8, **_PAGED, **_ADAM),
     Variant("PagedAdam32bit", f"Paged Adam with 32-bit states; {_L2}.", bits=32, **_PAGED, **_ADAM),
-    Variant("AdamW", f"AdamW with states of optim_bits (32 or 8) bits; {_DECOUPLED}.", **_ADAMW),
+    Variant("PagedAdam4bit", f"Paged Adam with 4-bit blockwise-quantized states; {_L2}.", bits=4, **_PAGED, **_ADAM),
+    Variant("AdamW", f"AdamW with states of optim_bits (32, 8 or 4) bits; {_DECOUPLED}.", **_ADAMW),
     Variant("AdamW8bit", f"AdamW with 8-bit blockwise-quantized states; {_DECOUPLED}.", bits=8, **_ADAMW),
     Variant("AdamW32bit", f"AdamW with 32-bit states; {_DECOUPLED}.", bits=32, **_ADAMW),
-    Variant("PagedAdamW", f"Paged AdamW with states of optim_bits (32 or 8) bits; {_DECOUPLED}.", **_PAGED, **_ADAMW),
+    Variant("AdamW4bit", f"AdamW with 4-bit blockwise-quantized states; {_DECOUPLED}.", bits=4, **_ADAMW),
+    Variant("PagedAdamW", f"Paged AdamW with states of optim_bits (32, 8 or 4) bits; {_DECOUPLED}.", **_PAGED, **_ADAMW),
     Variant("PagedAdamW8bit", f"Paged AdamW with 8-bit blockwise-quantized states; {_DECOUPLED}.", bits=8, **_PAGED,
             **_ADAMW),
     Variant("PagedAdamW32bit", f"Paged AdamW with 32-bit states; {_DECOUPLED}.", bits=32, **_PAGED, **_ADAMW),
+    Variant("PagedAdamW4bit", f"Paged AdamW with 4-bit blockwise-quantized states; {_DECOUPLED}.", bits=4, **_PAGED,
+            **_ADAMW),
 ], __name__))

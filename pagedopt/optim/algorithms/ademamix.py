@@ -32,10 +32,10 @@ FAMILY = Family(
 
 _FIXED, _PAGED = ("optim_bits",), ("is_paged",)
 globals().update(make_classes(FAMILY, [
-    Variant("AdEMAMix", "AdEMAMix with states of optim_bits (32 or 8) bits."),
+    Variant("AdEMAMix", "AdEMAMix with states of optim_bits (32, 8 or 4) bits."),
     Variant("AdEMAMix8bit", "AdEMAMix with 8-bit blockwise-quantized states.", bits=8, drop=_FIXED),
     Variant("AdEMAMix32bit", "AdEMAMix with 32-bit states.", bits=32, drop=_FIXED),
-    Variant("PagedAdEMAMix", "Paged AdEMAMix with states of optim_bits (32 or 8) bits.", paged=True, drop=_PAGED),
+    Variant("PagedAdEMAMix", "Paged AdEMAMix with states of optim_bits (32, 8 or 4) bits.", paged=True, drop=_PAGED),
     Variant("PagedAdEMAMix8bit", "Paged AdEMAMix with 8-bit blockwise-quantized states.", bits=8, paged=True,
             drop=_FIXED + _PAGED),
     Variant("PagedAdEMAMix32bit", "Paged AdEMAMix with 32-bit states.", bits=32, paged=True, drop=_FIXED + _PAGED),

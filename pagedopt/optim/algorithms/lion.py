@@ -1,7 +1,7 @@
 """Lion: one moment, decoupled weight decay (csrc/include/pagedopt/algorithms/lion.h), with the
 bitsandbytes classes' names, signatures (the form of pagedopt's Adam classes, which keep
 ``percentile_clipping`` and ``block_wise``) and state layout (``state1``; 8-bit: ``absmax1``,
-``qmap1``, the signed dynamic codebook)."""
+``qmap1``, the signed dynamic codebook; 4-bit, pagedopt's own: optimizer/state_format.py)."""
 from .spec import AlgorithmSpec, StateSpec
 from .variants import Family, Variant, make_classes
 
@@ -17,11 +17,14 @@ FAMILY = Family(
 
 _FIXED, _PAGED = ("optim_bits",), ("is_paged",)
 globals().update(make_classes(FAMILY, [
-    Variant("Lion", "Lion with states of optim_bits (32 or 8) bits."),
+    Variant("Lion", "Lion with states of optim_bits (32, 8 or 4) bits."),
     Variant("Lion8bit", "Lion with 8-bit blockwise-quantized states.", bits=8, drop=_FIXED),
     Variant("Lion32bit", "Lion with 32-bit states.", bits=32, drop=_FIXED),
-    Variant("PagedLion", "Paged Lion with states of optim_bits (32 or 8) bits.", paged=True, drop=_PAGED),
+    Variant("Lion4bit", "Lion with 4-bit blockwise-quantized states.", bits=4, drop=_FIXED),
+    Variant("PagedLion", "Paged Lion with states of optim_bits (32, 8 or 4) bits.", paged=True, drop=_PAGED),
     Variant("PagedLion8bit", "Paged Lion with 8-bit blockwise-quantized states.", bits=8, paged=True,
             drop=_FIXED + _PAGED),
     Variant("PagedLion32bit", "Paged Lion with 32-bit states.", bits=32, paged=True, drop=_FIXED + _PAGED),
+    Variant("PagedLion4bit", "Paged Lion with 4-bit blockwise-quantized states.", bits=4, paged=True,
+            drop=_FIXED + _PAGED),
 ], __name__))

@@ -14,10 +14,11 @@ from typing import Callable, Optional
 @dataclass(frozen=True)
 class StateSpec:
     """One state tensor of a parameter: ``key`` (``state1``), its absmax and codebook keys
-    (``absmax1``, ``qmap1``) when 8-bit. ``moments`` moments are stacked in it: shape
+    (``absmax1``, ``qmap1``) when quantized. ``moments`` moments are stacked in it: shape
     ``(moments, *param.shape)`` and absmax ``(moments, blocks)`` when more than one (AdEMAMix's
-    two first moments), the parameter's shape otherwise. ``signed`` picks the signed dynamic
-    codebook; the unsigned one suits moments that are never negative."""
+    two first moments), the parameter's shape otherwise (the shapes of each format:
+    state_format.py). ``signed`` picks the signed codebook; the unsigned one suits moments that
+    are never negative."""
 
     key: str
     moments: int = 1
@@ -72,11 +73,11 @@ class AlgorithmSpec:
         """Whether a parameter under ``config`` (its group and overrides) keeps the states."""
         return self.stateless_when is None or not self.stateless_when(config)
 
-    def call_keys(self, eight_bit: bool, stateful: bool = True) -> tuple[str, ...]:
-        """The state keys a fused call takes, one list each: states, absmax (8-bit), step."""
+    def call_keys(self, quantized: bool, stateful: bool = True) -> tuple[str, ...]:
+        """The state keys a fused call takes, one list each: states, absmax (8- and 4-bit), step."""
         if not stateful:
             return ("step",)
-        return self.state_keys + (self.absmax_keys if eight_bit else ()) + ("step",) + self.extra_keys
+        return self.state_keys + (self.absmax_keys if quantized else ()) + ("step",) + self.extra_keys
 
     @property
     def extra_keys(self) -> tuple[str, ...]:
