@@ -19,11 +19,15 @@ def has_cuda_kernels() -> bool:
 
 
 def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, blocksize: int = 256):
+    """(codes, absmax): uint8 codes shaped like x for a 256-entry code; for a 16-entry code 4-bit
+    codes packed two a byte, 1-D of ceil(x.numel() / 2) bytes (blocksize: any multiple of 32)."""
     return ops.quantize_blockwise(x, code, blocksize)
 
 
 def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int = 256,
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values shaped like codes (256-entry code); for a 16-entry code, 2 * codes.numel() values, 1-D
+    (an odd number of values: drop the last one)."""
     return ops.dequantize_blockwise(codes, absmax, code, blocksize, dtype)
 
 
@@ -98,16 +102,27 @@ def quantized_update_norm_(algorithm: str, params: Sequence[torch.Tensor], grads
                                [float(h) for h in hyper], grad_scale, norms, lr)
 
 
+# A 16-entry code means 4-bit codes, packed two a byte (csrc/include/pagedopt/four_bit.h): a 1-D
+# tensor of ceil(n / 2) bytes, which dequantizes to 2 * bytes values.
+CODE_SIZE_4BIT = 16
+
+
 @torch.library.register_fake("pagedopt::quantize_blockwise")
 def _quantize_blockwise_fake(x, code, blocksize):
     torch._check(blocksize > 0)
     blocks = (x.numel() + blocksize - 1) // blocksize
-    return torch.empty_like(x, dtype=torch.uint8), x.new_empty((blocks,), dtype=torch.float32)
+    if code.numel() == CODE_SIZE_4BIT:
+        codes = x.new_empty(((x.numel() + 1) // 2,), dtype=torch.uint8)
+    else:
+        codes = torch.empty_like(x, dtype=torch.uint8)
+    return codes, x.new_empty((blocks,), dtype=torch.float32)
 
 
 @torch.library.register_fake("pagedopt::dequantize_blockwise")
 def _dequantize_blockwise_fake(codes, absmax, code, blocksize, dtype):
     torch._check(codes.dtype == torch.uint8)
+    if code.numel() == CODE_SIZE_4BIT:
+        return codes.new_empty((2 * codes.numel(),), dtype=dtype)
     return torch.empty_like(codes, dtype=dtype)
 
 

@@ -1,8 +1,13 @@
-"""Dynamic 8-bit codebooks and a pure-torch reference of blockwise quantization.
+"""Dynamic 8-bit codebooks, 4-bit codebooks, and a pure-torch reference of blockwise quantization.
 
 The codebook is the "dynamic" map: exponent plus linear fraction, 256 sorted codes in
 [-1, 1] (signed, for Adam's first moment) or [0, 1] (unsigned, for the second moment).
 It is the same map bitsandbytes uses, so checkpoints carry over.
+
+4-bit states (csrc/include/pagedopt/four_bit.h) take a 16-entry codebook, two codes a byte
+(element i in byte i // 2: the low nibble for an even i, the high one for an odd i) and one absmax
+per STATE_BLOCK_SIZE_4 = 128 elements: dynamic_codebook_4bit for the first moment,
+linear_codebook_4bit_no_zero for the second (bench/RESULTS.md, "4-bit maps", says why).
 
 The reference functions here are what the tests hold the C++/CUDA kernels to.
 """
@@ -14,6 +19,8 @@ import torch
 
 CODEBOOK_SIZE = 256
 STATE_BLOCK_SIZE = 256
+CODEBOOK_SIZE_4 = 16
+STATE_BLOCK_SIZE_4 = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,12 +49,13 @@ def dynamic_codebook(signed: bool = True, device: torch.device | str | None = No
     return _dynamic_map_cpu(bool(signed)).clone().to(device if device is not None else "cpu")
 
 
-def check_codebook(code: torch.Tensor, name: str = "code") -> None:
-    """Raise ValueError unless `code` is a sorted float32 vector of 256 finite entries."""
+def check_codebook(code: torch.Tensor, name: str = "code", size: int = CODEBOOK_SIZE) -> None:
+    """Raise ValueError unless `code` is a sorted float32 vector of `size` (256: 8-bit, 16: 4-bit)
+    finite entries."""
     if not isinstance(code, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(code).__name__}")
-    if code.dtype != torch.float32 or code.numel() != CODEBOOK_SIZE:
-        raise ValueError(f"{name} must be float32 with {CODEBOOK_SIZE} entries, got {code.dtype} "
+    if code.dtype != torch.float32 or code.numel() != size:
+        raise ValueError(f"{name} must be float32 with {size} entries, got {code.dtype} "
                          f"with {code.numel()}")
     flat = code.detach().reshape(-1).cpu()
     if not torch.isfinite(flat).all():
@@ -118,8 +126,87 @@ def max_rounding_error(code: torch.Tensor, x_normalized: torch.Tensor) -> torch.
     absmax: half the gap between the two codes around it (or its distance to the nearest
     end of the codebook, for values outside it)."""
     code = code.to(x_normalized.device).float()
-    hi = torch.searchsorted(code, x_normalized.float().contiguous(), right=False).clamp(1, CODEBOOK_SIZE - 1)
+    hi = torch.searchsorted(code, x_normalized.float().contiguous(), right=False).clamp(1, code.numel() - 1)
     half_gap = (code[hi] - code[hi - 1]) / 2
     x = x_normalized.float()
     outside = torch.maximum(code[0] - x, x - code[-1]).clamp_min(0)
     return torch.maximum(half_gap, outside)
+
+
+# ------------------------------------------------------------------------------------- 4-bit
+def _dynamic_map_4bit(signed: bool) -> list[float]:
+    """The 4-bit dynamic-exponent map: the construction of the 8-bit map (a decade per exponent,
+    linearly spaced means inside it) with 3 exponent bits instead of 7, so the decades
+    [1e-3, 1e-2], [1e-2, 1e-1], [1e-1, 1] hold 1, 2 and 4 means (signed) or 2, 4 and 8 of which
+    the largest are kept (unsigned); plus 0 and the ends 1 (and -1, signed; to make room, the
+    signed map drops the smallest negative mean, so its negative half is one value shorter)."""
+    values: list[float] = [0.0, 1.0]
+    shift = 0 if signed else 1
+    for i in range(3):
+        n_fraction = 2 ** (i + shift) + 1
+        edges = torch.linspace(0.1, 1, n_fraction, dtype=torch.float32)
+        means = (((edges[:-1] + edges[1:]) / 2.0) * (10 ** (-2 + i))).tolist()
+        values += means
+        if signed:
+            values += [-m for m in means]
+    values = sorted(set(values))
+    if signed:
+        values = [-1.0] + [v for v in values if v != -min(abs(v) for v in values if v != 0.0)]
+    else:
+        values = values[len(values) - CODEBOOK_SIZE_4 + 1:] if len(values) > CODEBOOK_SIZE_4 else values
+        values = sorted(set([0.0] + values))
+    assert len(values) == CODEBOOK_SIZE_4, values
+    return values
+
+
+@functools.lru_cache(maxsize=None)
+def _map4_cpu(kind: str) -> torch.Tensor:
+    if kind == "linear_no_zero":
+        values = [(i + 1) / CODEBOOK_SIZE_4 for i in range(CODEBOOK_SIZE_4)]
+    else:
+        values = _dynamic_map_4bit(kind == "signed")
+    code = torch.tensor(sorted(values), dtype=torch.float32)
+    return code
+
+
+def dynamic_codebook_4bit(signed: bool = True, device: torch.device | str | None = None) -> torch.Tensor:
+    """The 16-entry dynamic-exponent codebook, sorted ascending, as a new float32 tensor: for the
+    first moment (signed: holds 0, -1 and 1). See _dynamic_map_4bit."""
+    return _map4_cpu("signed" if signed else "unsigned").clone().to(device if device is not None else "cpu")
+
+
+def linear_codebook_4bit_no_zero(device: torch.device | str | None = None) -> torch.Tensor:
+    """The 16 values (i + 1) / 16, i = 0..15: the second moment's 4-bit codebook. It has no zero
+    (Li et al., "Memory Efficient Optimizers with 4-bit States", NeurIPS 2023): a small v is stored
+    as at least absmax / 16 instead of 0, which would make m / sqrt(v) blow up."""
+    return _map4_cpu("linear_no_zero").clone().to(device if device is not None else "cpu")
+
+
+def pack_4bit(codes: torch.Tensor) -> torch.Tensor:
+    """Codes (each < 16) of n values -> ceil(n / 2) uint8 bytes, element i in byte i // 2, the low
+    nibble for an even i; an odd n's last high nibble is 0."""
+    flat = codes.reshape(-1).to(torch.uint8)
+    if flat.numel() % 2:
+        flat = torch.cat([flat, flat.new_zeros(1)])
+    pairs = flat.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def unpack_4bit(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_4bit: the first n codes (uint8) of the packed bytes."""
+    flat = packed.reshape(-1).to(torch.uint8)
+    return torch.stack([flat & 0xF, flat >> 4], dim=1).reshape(-1)[:n]
+
+
+def quantize_4bit_reference(x: torch.Tensor, code: torch.Tensor, blocksize: int = STATE_BLOCK_SIZE_4,
+                            absmax: torch.Tensor | None = None):
+    """quantize_blockwise_reference with a 16-entry code, the codes packed: (uint8 of shape
+    (ceil(n / 2),), float32 absmax per block)."""
+    codes, absmax = quantize_blockwise_reference(x.reshape(-1), code, blocksize, absmax)
+    return pack_4bit(codes), absmax
+
+
+def dequantize_4bit_reference(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, n: int,
+                              blocksize: int = STATE_BLOCK_SIZE_4, dtype: torch.dtype = torch.float32):
+    """The first n values of packed 4-bit codes: code[q] * absmax of q's block, 1-D."""
+    return dequantize_blockwise_reference(unpack_4bit(packed, n), absmax, code, blocksize, dtype)

@@ -101,3 +101,24 @@ def test_is_managed_under_torch_compile_breaks_the_graph_and_answers_eagerly():
     x = torch.ones(3)
     torch._dynamo.reset()
     assert torch.equal(torch.compile(f, backend="eager", fullgraph=False)(x), f(x))
+
+
+@pytest.mark.parametrize("n", [1, 201, 256])
+def test_four_bit_quantize_fakes_give_the_real_shapes(n):
+    """A 16-entry code means 4-bit codes packed two a byte: the fakes give the real ops' shapes
+    ((ceil(n/2),) codes, (2 * bytes,) values) and pass opcheck."""
+    from pagedopt.quant import dynamic_codebook_4bit
+    x = torch.randn(n)
+    code = dynamic_codebook_4bit(True)
+    codes, absmax = torch.ops.pagedopt.quantize_blockwise(x, code, 128)
+    out = torch.ops.pagedopt.dequantize_blockwise(codes, absmax, code, 128, torch.bfloat16)
+    assert codes.shape == ((n + 1) // 2,) and absmax.shape == ((n + 127) // 128,)
+    assert out.shape == (2 * codes.numel(),) and out.dtype == torch.bfloat16
+    with FakeTensorMode() as mode:
+        fc, fa = torch.ops.pagedopt.quantize_blockwise(mode.from_tensor(x), mode.from_tensor(code), 128)
+        fo = torch.ops.pagedopt.dequantize_blockwise(mode.from_tensor(codes), mode.from_tensor(absmax),
+                                                     mode.from_tensor(code), 128, torch.bfloat16)
+    assert (fc.shape, fc.dtype, fa.shape, fa.dtype) == (codes.shape, codes.dtype, absmax.shape, absmax.dtype)
+    assert (fo.shape, fo.dtype) == (out.shape, out.dtype)
+    torch.library.opcheck(torch.ops.pagedopt.quantize_blockwise, (x, code, 128))
+    torch.library.opcheck(torch.ops.pagedopt.dequantize_blockwise, (codes, absmax, code, 128, torch.float32))

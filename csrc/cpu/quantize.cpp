@@ -1,4 +1,5 @@
-// CPU blockwise quantize / dequantize.
+// CPU blockwise quantize / dequantize: 8-bit codes (a 256-entry code) or 4-bit codes packed two a
+// byte (a 16-entry code, pagedopt/four_bit.h).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -9,6 +10,7 @@
 
 #include "pagedopt/checks.h"
 #include "pagedopt/codebook.h"
+#include "pagedopt/four_bit.h"
 #include "pagedopt/stochastic_round.h"
 
 namespace pagedopt {
@@ -16,11 +18,12 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x_in, const at::Tensor& code,
                                                           int64_t blocksize) {
-  check_quantize_args(x_in, code, blocksize);
+  const bool four_bit = check_quantize_args(x_in, code, blocksize) == StateBits::k4;
   const at::Tensor x = x_in.contiguous();
   const int64_t n = x.numel();
   const int64_t blocks = ceil_div(n, blocksize);
-  at::Tensor codes = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  at::Tensor codes = four_bit ? at::empty({packed_bytes(n)}, x.options().dtype(at::kByte))
+                              : at::empty(x.sizes(), x.options().dtype(at::kByte));
   at::Tensor absmax = at::empty({blocks}, x.options().dtype(at::kFloat));
   const float* cb = code.data_ptr<float>();
   uint8_t* q = codes.data_ptr<uint8_t>();
@@ -35,7 +38,15 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x_in
         for (int64_t i = lo; i < hi; ++i) m = std::max(m, finite_abs(static_cast<float>(xs[i])));
         am[b] = m;
         const float inv = absmax_reciprocal(m);
-        for (int64_t i = lo; i < hi; ++i) q[i] = quantize_value(cb, static_cast<float>(xs[i]), inv);
+        if (four_bit) {  // lo is even (blocksize is): the block's bytes are its own
+          for (int64_t i = lo; i < hi; i += 2) {
+            const uint8_t even = quantize_value4(cb, static_cast<float>(xs[i]), inv);
+            const uint8_t odd = i + 1 < hi ? quantize_value4(cb, static_cast<float>(xs[i + 1]), inv) : 0;
+            q[i >> 1] = pack_nibbles(even, odd);
+          }
+        } else {
+          for (int64_t i = lo; i < hi; ++i) q[i] = quantize_value(cb, static_cast<float>(xs[i]), inv);
+        }
       }
     });
   });
@@ -44,12 +55,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x_in
 
 at::Tensor dequantize_blockwise_cpu(const at::Tensor& codes_in, const at::Tensor& absmax_in, const at::Tensor& code,
                                     int64_t blocksize, at::ScalarType dtype) {
-  check_dequantize_args(codes_in, absmax_in, code, blocksize, dtype);
+  const bool four_bit = check_dequantize_args(codes_in, absmax_in, code, blocksize, dtype) == StateBits::k4;
   const at::Tensor codes = codes_in.contiguous();
   const at::Tensor absmax = absmax_in.contiguous();
-  const int64_t n = codes.numel();
+  const int64_t n = four_bit ? 2 * codes.numel() : codes.numel();
   const int64_t blocks = ceil_div(n, blocksize);
-  at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(dtype));
+  at::Tensor out = four_bit ? at::empty({n}, codes.options().dtype(dtype))
+                            : at::empty(codes.sizes(), codes.options().dtype(dtype));
   const float* cb = code.data_ptr<float>();
   const uint8_t* q = codes.data_ptr<uint8_t>();
   const float* am = absmax.data_ptr<float>();
@@ -59,7 +71,9 @@ at::Tensor dequantize_blockwise_cpu(const at::Tensor& codes_in, const at::Tensor
       for (int64_t b = begin; b < end; ++b) {
         const int64_t lo = b * blocksize;
         const int64_t hi = std::min(n, lo + blocksize);
-        for (int64_t i = lo; i < hi; ++i) o[i] = static_cast<scalar_t>(dequantize_value(cb, q[i], am[b]));
+        for (int64_t i = lo; i < hi; ++i) {
+          o[i] = static_cast<scalar_t>(dequantize_value(cb, four_bit ? nibble_at(q, i) : q[i], am[b]));
+        }
       }
     });
   });

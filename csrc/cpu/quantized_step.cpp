@@ -1,7 +1,8 @@
 // CPU kernel of the generic quantized-state engine: one fused step of any algorithm of
-// pagedopt/algorithms.h over a list of tensors, 8-bit (blockwise codes) or 32-bit states.
-// One pass per 256-element block: dequantize the block's moments, run the algorithm's update on
-// each element, then requantize with the block's new absmax.
+// pagedopt/algorithms.h over a list of tensors, 8-bit or 4-bit (blockwise codes) or 32-bit states.
+// One pass per block (256 elements; 128 for 4-bit states): dequantize the block's moments, run the
+// algorithm's update on each element, then requantize with the block's new absmax. The block loop
+// is one template over the width (StateBits); 4-bit codes are packed two a byte (pagedopt/four_bit.h).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -16,13 +17,14 @@
 #include "pagedopt/algorithms.h"
 #include "pagedopt/checks.h"
 #include "pagedopt/codebook.h"
+#include "pagedopt/four_bit.h"
 #include "pagedopt/quantized_state_list.h"
 #include "pagedopt/stochastic_round.h"
 
 namespace pagedopt {
 namespace {
 
-// One tensor's moments: moment j's codes (or floats) and, 8-bit, its absmax and codebook.
+// One tensor's moments: moment j's codes (or floats) and, 8-bit and 4-bit, its absmax and codebook.
 template <int kMoments>
 struct MomentPointers {
   void* data[kMoments];
@@ -31,11 +33,32 @@ struct MomentPointers {
 };
 
 // Element i's moments (of block b): dequantized codes, or the 32-bit values.
-template <int M, bool kEightBit>
+template <int M, StateBits kBits>
 inline void load_moments(const MomentPointers<M>& mp, int64_t i, int64_t b, float (&s)[M]) {
   for (int k = 0; k < M; ++k) {
-    s[k] = kEightBit ? dequantize_value(mp.code[k], static_cast<const uint8_t*>(mp.data[k])[i], mp.absmax[k][b])
-                     : static_cast<const float*>(mp.data[k])[i];
+    const auto* q = static_cast<const uint8_t*>(mp.data[k]);
+    if constexpr (kBits == StateBits::k8) {
+      s[k] = dequantize_value(mp.code[k], q[i], mp.absmax[k][b]);
+    } else if constexpr (kBits == StateBits::k4) {
+      s[k] = dequantize_value(mp.code[k], nibble_at(q, i), mp.absmax[k][b]);
+    } else {
+      s[k] = static_cast<const float*>(mp.data[k])[i];
+    }
+  }
+}
+
+// Block [lo, lo + len) of a moment, quantized with `inv` (the reciprocal of its new absmax) into
+// its codes: one byte per value (8-bit) or two (4-bit: lo is even, so the block's bytes are its own).
+template <StateBits kBits>
+inline void store_codes(uint8_t* q, const float* code, const float* values, int64_t lo, int64_t len, float inv) {
+  if constexpr (kBits == StateBits::k4) {
+    for (int64_t j = 0; j < len; j += 2) {
+      const uint8_t even = quantize_value4(code, values[j], inv);
+      const uint8_t odd = j + 1 < len ? quantize_value4(code, values[j + 1], inv) : 0;  // an odd n's padding: 0
+      q[(lo + j) >> 1] = pack_nibbles(even, odd);
+    }
+  } else {
+    for (int64_t j = 0; j < len; ++j) q[lo + j] = quantize_value(code, values[j], inv);
   }
 }
 
@@ -59,24 +82,26 @@ inline T param_value(float x, const SrTensor* sr, int64_t i) {
   return static_cast<T>(x);
 }
 
-template <typename Algo, typename scalar_t, bool kEightBit>
+template <typename Algo, typename scalar_t, StateBits kBits>
 void step_tensor(scalar_t* p, const scalar_t* g, int64_t n, const MomentPointers<Algo::kMoments>& mp,
                  const typename Algo::Constants& c, float inv_scale, const SrTensor* sr) {
   constexpr int M = Algo::kMoments;
-  const int64_t blocks = ceil_div(n, kStateBlockSize);
+  constexpr bool kQuantized = kBits != StateBits::k32;
+  constexpr int64_t kBlockSize = state_block_size(kBits);
+  const int64_t blocks = ceil_div(n, kBlockSize);
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
-    float moments[M][kStateBlockSize];
+    float moments[M][kBlockSize];
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t lo = b * kStateBlockSize;
-      const int64_t len = std::min<int64_t>(kStateBlockSize, n - lo);
+      const int64_t lo = b * kBlockSize;
+      const int64_t len = std::min<int64_t>(kBlockSize, n - lo);
       float new_absmax[M] = {};
       for (int64_t j = 0; j < len; ++j) {
         const int64_t i = lo + j;
         float s[M];
-        load_moments<M, kEightBit>(mp, i, b, s);
+        load_moments<M, kBits>(mp, i, b, s);
         const float gf = static_cast<float>(g[i]) * inv_scale;
         p[i] = param_value<scalar_t>(Algo::update(static_cast<float>(p[i]), gf, s, c), sr, i);
-        if (kEightBit) {
+        if (kQuantized) {
           const bool counts = element_counts_for_absmax<Algo>(s);
           for (int k = 0; k < M; ++k) {
             moments[k][j] = s[k];
@@ -86,11 +111,10 @@ void step_tensor(scalar_t* p, const scalar_t* g, int64_t n, const MomentPointers
           for (int k = 0; k < M; ++k) static_cast<float*>(mp.data[k])[i] = s[k];
         }
       }
-      if (kEightBit) {
+      if (kQuantized) {
         for (int k = 0; k < M; ++k) {
           const float inv = absmax_reciprocal(new_absmax[k]);
-          uint8_t* q = static_cast<uint8_t*>(mp.data[k]);
-          for (int64_t j = 0; j < len; ++j) q[lo + j] = quantize_value(mp.code[k], moments[k][j], inv);
+          store_codes<kBits>(static_cast<uint8_t*>(mp.data[k]), mp.code[k], moments[k], lo, len, inv);
           mp.absmax[k][b] = new_absmax[k];
         }
       }
@@ -100,21 +124,22 @@ void step_tensor(scalar_t* p, const scalar_t* g, int64_t n, const MomentPointers
 
 // The sum of squares of the update directions of one tensor (Algo::direction), in double; nothing
 // is written. Blocks are summed in order, so the result does not depend on the thread count.
-template <typename Algo, typename scalar_t, bool kEightBit>
+template <typename Algo, typename scalar_t, StateBits kBits>
 double update_norm_tensor(const scalar_t* p, const scalar_t* g, int64_t n, const MomentPointers<Algo::kMoments>& mp,
                           const typename Algo::Constants& c, float inv_scale) {
   constexpr int M = Algo::kMoments;
-  const int64_t blocks = ceil_div(n, kStateBlockSize);
+  constexpr int64_t kBlockSize = state_block_size(kBits);
+  const int64_t blocks = ceil_div(n, kBlockSize);
   std::vector<double> partial(static_cast<size_t>(blocks), 0.0);
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t lo = b * kStateBlockSize;
-      const int64_t len = std::min<int64_t>(kStateBlockSize, n - lo);
+      const int64_t lo = b * kBlockSize;
+      const int64_t len = std::min<int64_t>(kBlockSize, n - lo);
       double sum = 0.0;
       for (int64_t j = 0; j < len; ++j) {
         const int64_t i = lo + j;
         float s[M];
-        load_moments<M, kEightBit>(mp, i, b, s);
+        load_moments<M, kBits>(mp, i, b, s);
         const double u = Algo::direction(static_cast<float>(p[i]), static_cast<float>(g[i]) * inv_scale, s, c);
         sum += u * u;
       }
@@ -129,15 +154,16 @@ double update_norm_tensor(const scalar_t* p, const scalar_t* g, int64_t n, const
 // The moment pointers of params[i] (see quantized_step_'s layout of `states` and `absmax`).
 template <typename Algo>
 MomentPointers<Algo::kMoments> moment_pointers(at::TensorList states, at::TensorList absmax, at::TensorList qmaps,
-                                               size_t n, size_t i, int64_t numel, bool eight_bit) {
+                                               size_t n, size_t i, int64_t numel, StateBits bits) {
   MomentPointers<Algo::kMoments> mp{};
-  const int64_t blocks = ceil_div(numel, kStateBlockSize);
+  const int64_t blocks = ceil_div(numel, state_block_size(bits));
+  const int64_t moment_numel = bits == StateBits::k4 ? packed_bytes(numel) : numel;
   for (int j = 0; j < Algo::kMoments; ++j) {
     const size_t key = static_cast<size_t>(Algo::key_of(j));
     const int64_t stack = Algo::stack_of(j);
     const at::Tensor& s = states[key * n + i];
-    mp.data[j] = static_cast<uint8_t*>(s.data_ptr()) + stack * numel * s.element_size();
-    if (eight_bit) {
+    mp.data[j] = static_cast<uint8_t*>(s.data_ptr()) + stack * moment_numel * s.element_size();
+    if (bits != StateBits::k32) {
       mp.absmax[j] = absmax[key * n + i].data_ptr<float>() + stack * blocks;
       mp.code[j] = qmaps[key].data_ptr<float>();
     }
@@ -146,10 +172,10 @@ MomentPointers<Algo::kMoments> moment_pointers(at::TensorList states, at::Tensor
 }
 
 // The step for the algorithm `name` of pagedopt/algorithms.h, on arguments that passed
-// check_quantized_step (`eight_bit` as it returned it).
+// check_quantized_step (`bits` as it returned it).
 void quantized_step_cpu_unchecked(const std::string& name, at::TensorList params, at::TensorList grads,
                                   at::TensorList states, at::TensorList absmax, at::TensorList steps,
-                                  at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
+                                  at::TensorList qmaps, c10::ArrayRef<double> hyper, StateBits bits,
                                   const std::optional<at::Tensor>& grad_scale,
                                   const std::optional<at::Tensor>& found_inf,
                                   const std::optional<at::Tensor>& scales, const SrArgs& sr) {
@@ -165,7 +191,7 @@ void quantized_step_cpu_unchecked(const std::string& name, at::TensorList params
     for (size_t i = 0; i < n; ++i) {
       const int64_t numel = params[i].numel();
       if (numel == 0) continue;
-      const MomentPointers<M> mp = moment_pointers<Algo>(states, absmax, qmaps, n, i, numel, eight_bit);
+      const MomentPointers<M> mp = moment_pointers<Algo>(states, absmax, qmaps, n, i, numel, bits);
       const float step = steps[i].item<float>();
       auto c = Algo::constants(h, static_cast<double>(step));
       if constexpr (has_update_norm<Algo>::value) {
@@ -177,10 +203,12 @@ void quantized_step_cpu_unchecked(const std::string& name, at::TensorList params
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[i].scalar_type(), "quantized_step_cpu", [&] {
         auto* p = params[i].data_ptr<scalar_t>();
         const auto* g = grads[i].data_ptr<scalar_t>();
-        if (eight_bit) {
-          step_tensor<Algo, scalar_t, true>(p, g, numel, mp, c, inv_scale, sr_i);
+        if (bits == StateBits::k8) {
+          step_tensor<Algo, scalar_t, StateBits::k8>(p, g, numel, mp, c, inv_scale, sr_i);
+        } else if (bits == StateBits::k4) {
+          step_tensor<Algo, scalar_t, StateBits::k4>(p, g, numel, mp, c, inv_scale, sr_i);
         } else {
-          step_tensor<Algo, scalar_t, false>(p, g, numel, mp, c, inv_scale, sr_i);
+          step_tensor<Algo, scalar_t, StateBits::k32>(p, g, numel, mp, c, inv_scale, sr_i);
         }
       });
     }
@@ -201,11 +229,11 @@ void quantized_step_cpu(c10::string_view algorithm, at::TensorList params, at::T
                         const std::optional<at::Tensor>& lr, at::OptionalIntArrayRef sr_ids,
                         at::OptionalIntArrayRef sr_offsets, int64_t sr_seed) {
   const std::string name(algorithm);
-  const bool eight_bit =
+  const StateBits bits =
       check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf, scales);
   check_lr_tensor(lr, params, "quantized_step_");
   const SrArgs sr = check_stochastic_round(sr_ids, sr_offsets, sr_seed, params.size(), "quantized_step_");
-  quantized_step_cpu_unchecked(name, params, grads, states, absmax, steps, qmaps, hyper_with_lr(hyper, lr), eight_bit,
+  quantized_step_cpu_unchecked(name, params, grads, states, absmax, steps, qmaps, hyper_with_lr(hyper, lr), bits,
                                grad_scale, found_inf, scales, sr);
 }
 
@@ -215,7 +243,7 @@ void quantized_update_norm_cpu(c10::string_view algorithm, at::TensorList params
                                const std::optional<at::Tensor>& grad_scale, const at::Tensor& norms,
                                const std::optional<at::Tensor>& lr) {
   const std::string name(algorithm);
-  const bool eight_bit = check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale,
+  const StateBits bits = check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale,
                                               std::nullopt, norms, "norms", at::kDouble);
   check_lr_tensor(lr, params, "quantized_update_norm_");
   const float inv_scale = grad_scale.has_value() ? 1.0f / grad_scale->item<float>() : 1.0f;
@@ -231,14 +259,15 @@ void quantized_update_norm_cpu(c10::string_view algorithm, at::TensorList params
         const int64_t numel = params[i].numel();
         out[i] = 0.0;
         if (numel == 0) continue;
-        const auto mp = moment_pointers<Algo>(states, absmax, qmaps, n, i, numel, eight_bit);
+        const auto mp = moment_pointers<Algo>(states, absmax, qmaps, n, i, numel, bits);
         const auto c = Algo::constants(h, static_cast<double>(steps[i].item<float>()));
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[i].scalar_type(), "quantized_update_norm_cpu",
                                         [&] {
           const auto* p = params[i].data_ptr<scalar_t>();
           const auto* g = grads[i].data_ptr<scalar_t>();
-          out[i] = eight_bit ? update_norm_tensor<Algo, scalar_t, true>(p, g, numel, mp, c, inv_scale)
-                             : update_norm_tensor<Algo, scalar_t, false>(p, g, numel, mp, c, inv_scale);
+          out[i] = bits == StateBits::k8   ? update_norm_tensor<Algo, scalar_t, StateBits::k8>(p, g, numel, mp, c, inv_scale)
+                   : bits == StateBits::k4 ? update_norm_tensor<Algo, scalar_t, StateBits::k4>(p, g, numel, mp, c, inv_scale)
+                                           : update_norm_tensor<Algo, scalar_t, StateBits::k32>(p, g, numel, mp, c, inv_scale);
         });
       }
     }

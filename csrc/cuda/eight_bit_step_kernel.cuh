@@ -112,6 +112,22 @@ __device__ __forceinline__ int find_tensor(const int64_t* __restrict__ starts, i
   return lo;
 }
 
+// The tensor owning global block gb: the last t with starts[t] <= gb (one thread's binary search;
+// the plain kernels and the 4-bit ones).
+__device__ __forceinline__ int owner_of(const int64_t* __restrict__ starts, int n, int64_t gb) {
+  int lo = 0;
+  int hi = n;  // starts[lo] <= gb < starts[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (starts[mid] <= gb) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
 // Moment j's codes and absmax of tensor m (key_of(j), at stack index stack_of(j)).
 template <typename Algo>
 __device__ __forceinline__ uint8_t* moment_codes(const TensorMeta& m, int j) {

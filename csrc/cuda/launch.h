@@ -18,7 +18,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda_unchecked(const at::T
 at::Tensor dequantize_blockwise_cuda_unchecked(const at::Tensor& codes, const at::Tensor& absmax,
                                                const at::Tensor& code, int64_t blocksize, at::ScalarType dtype);
 
-// The generic quantized-state step (csrc/cuda/quantized_step.cu); `eight_bit` as
+// The generic quantized-state step (csrc/cuda/quantized_step.cu); `bits` as
 // check_quantized_step returned it. With `norms`, the norm pass instead (quantized_update_norm_):
 // nothing but `norms` is written. `lr` (checked by check_lr_tensor): read by the setup kernel in
 // place of hyper[0]. `sr` (check_stochastic_round): stochastic rounding of bfloat16 parameters,
@@ -26,7 +26,7 @@ at::Tensor dequantize_blockwise_cuda_unchecked(const at::Tensor& codes, const at
 // kept for the life of the process (the graph's copy reads it again at every replay).
 void quantized_step_cuda_unchecked(const std::string& algorithm, at::TensorList params, at::TensorList grads,
                                    at::TensorList states, at::TensorList absmax, at::TensorList steps,
-                                   at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
+                                   at::TensorList qmaps, c10::ArrayRef<double> hyper, StateBits bits,
                                    const std::optional<at::Tensor>& grad_scale,
                                    const std::optional<at::Tensor>& found_inf,
                                    const std::optional<at::Tensor>& scales = std::nullopt,

@@ -30,14 +30,14 @@ void quantized_step_cuda(c10::string_view algorithm, at::TensorList params, at::
                          const std::optional<at::Tensor>& lr, at::OptionalIntArrayRef sr_ids,
                          at::OptionalIntArrayRef sr_offsets, int64_t sr_seed) {
   const std::string name(algorithm);
-  const bool eight_bit =
+  const StateBits bits =
       check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale, found_inf, scales);
   check_lr_tensor(lr, params, "quantized_step_");
   const SrArgs sr = check_stochastic_round(sr_ids, sr_offsets, sr_seed, params.size(), "quantized_step_");
   if (!params.empty()) {
     TORCH_CHECK(params[0].is_cuda(), "quantized_step_: the CUDA kernel got tensors on ", params[0].device());
   }
-  quantized_step_cuda_unchecked(name, params, grads, states, absmax, steps, qmaps, hyper, eight_bit, grad_scale,
+  quantized_step_cuda_unchecked(name, params, grads, states, absmax, steps, qmaps, hyper, bits, grad_scale,
                                 found_inf, scales, std::nullopt, lr, sr);
 }
 
@@ -54,13 +54,13 @@ void quantized_update_norm_cuda(c10::string_view algorithm, at::TensorList param
                                 const std::optional<at::Tensor>& grad_scale, const at::Tensor& norms,
                                 const std::optional<at::Tensor>& lr) {
   const std::string name(algorithm);
-  const bool eight_bit = check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale,
+  const StateBits bits = check_quantized_step(name, params, grads, states, absmax, steps, qmaps, hyper, grad_scale,
                                               std::nullopt, norms, "norms", at::kDouble);
   check_lr_tensor(lr, params, "quantized_update_norm_");
   if (!params.empty()) {
     TORCH_CHECK(params[0].is_cuda(), "quantized_update_norm_: the CUDA kernel got tensors on ", params[0].device());
   }
-  quantized_step_cuda_unchecked(name, params, grads, states, absmax, steps, qmaps, hyper, eight_bit, grad_scale,
+  quantized_step_cuda_unchecked(name, params, grads, states, absmax, steps, qmaps, hyper, bits, grad_scale,
                                 std::nullopt, std::nullopt, norms, lr);
 }
 

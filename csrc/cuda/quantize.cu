@@ -14,6 +14,7 @@
 #include "element_io.cuh"
 #include "launch.h"
 #include "pagedopt/codebook.h"
+#include "pagedopt/four_bit.h"
 #include "warp_block.cuh"
 
 namespace pagedopt {
@@ -154,6 +155,52 @@ __global__ void __launch_bounds__(kThreads) stochastic_round_bf16_kernel(const f
   }
 }
 
+// 4-bit codes (pagedopt/four_bit.h), any blocksize (even): one warp per block, two strided passes,
+// lane l quantizing the element pairs l, l + 32, ... of its block into whole bytes. The codebook's
+// 16 entries in shared memory, the search nearest_code4 (as on the CPU).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) quantize4_kernel(const T* __restrict__ x, int64_t n, int64_t blocksize,
+                                                               int64_t nblocks, const float* __restrict__ code,
+                                                               uint8_t* __restrict__ codes,
+                                                               float* __restrict__ absmax) {
+  __shared__ float s_code[kCodebookSize4];
+  for (int i = threadIdx.x; i < kCodebookSize4; i += blockDim.x) s_code[i] = code[i];
+  __syncthreads();
+  const int lane = threadIdx.x % kWarp;
+  for_each_warp_block<kWarpsPerBlock>(nblocks, [&](int64_t b, int64_t) {
+    const int64_t lo = b * blocksize;
+    const int64_t len = std::min(blocksize, n - lo);
+    float mx = 0.0f;
+    for (int64_t i = lane; i < len; i += kWarp) mx = fmaxf(mx, finite_abs(Elem<T>::load(x + lo + i)));
+    const BlockScale scale = block_scale(mx);
+    for (int64_t k = lane; 2 * k < len; k += kWarp) {
+      const int64_t i = lo + 2 * k;
+      const uint8_t even = nearest_code4(s_code, __fmul_rn(Elem<T>::load(x + i), scale.inv));
+      const uint8_t odd = 2 * k + 1 < len ? nearest_code4(s_code, __fmul_rn(Elem<T>::load(x + i + 1), scale.inv)) : 0;
+      codes[i >> 1] = pack_nibbles(even, odd);
+    }
+    if (lane == 0) absmax[b] = scale.absmax;
+  });
+}
+
+// 4-bit codes back to values: thread per byte, its two values (n = 2 * bytes).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) dequantize4_kernel(const uint8_t* __restrict__ q,
+                                                                 const float* __restrict__ absmax,
+                                                                 const float* __restrict__ code, T* __restrict__ out,
+                                                                 int64_t bytes, int64_t blocksize) {
+  __shared__ float s_code[kCodebookSize4];
+  for (int i = threadIdx.x; i < kCodebookSize4; i += blockDim.x) s_code[i] = code[i];
+  __syncthreads();
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < bytes; k += stride) {
+    const float a = absmax[(2 * k) / blocksize];  // both values of a byte are in one block (blocksize is even)
+    const uint8_t byte = q[k];
+    Elem<T>::store(out + 2 * k, __fmul_rn(s_code[byte & 0xF], a));
+    Elem<T>::store(out + 2 * k + 1, __fmul_rn(s_code[byte >> 4], a));
+  }
+}
+
 int grid_for(int64_t work_items, int per_block, int blocks_per_sm) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want = ceil_div(work_items, per_block);
@@ -168,10 +215,27 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda_unchecked(const at::T
   const at::Tensor x = x_in.contiguous();
   const int64_t n = x.numel();
   const int64_t blocks = ceil_div(n, blocksize);
-  at::Tensor codes = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  const bool four_bit = code.numel() == kCodebookSize4;  // checked: 16 or 256 entries
+  at::Tensor codes = four_bit ? at::empty({packed_bytes(n)}, x.options().dtype(at::kByte))
+                              : at::empty(x.sizes(), x.options().dtype(at::kByte));
   at::Tensor absmax = at::empty({blocks}, x.options().dtype(at::kFloat));
   if (n == 0) return {codes, absmax};
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (four_bit) {
+    auto launch4 = [&](auto* xs) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(xs)>>;
+      quantize4_kernel<T><<<grid_for(blocks, kWarpsPerBlock, 8), kThreads, 0, stream>>>(
+          xs, n, blocksize, blocks, code.data_ptr<float>(), codes.data_ptr<uint8_t>(), absmax.data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    switch (x.scalar_type()) {
+      case at::kFloat: launch4(static_cast<const float*>(x.const_data_ptr())); break;
+      case at::kBFloat16: launch4(static_cast<const c10::BFloat16*>(x.const_data_ptr())); break;
+      case at::kHalf: launch4(static_cast<const c10::Half*>(x.const_data_ptr())); break;
+      default: TORCH_INTERNAL_ASSERT(false);
+    }
+    return {codes, absmax};
+  }
 
   at::Tensor table_buf;
   const CodeTable* table = nullptr;
@@ -213,9 +277,26 @@ at::Tensor dequantize_blockwise_cuda_unchecked(const at::Tensor& codes_in, const
   const at::Tensor absmax = absmax_in.contiguous();
   const int64_t n = codes.numel();
   const int64_t blocks = ceil_div(n, blocksize);
-  at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(dtype));
+  const bool four_bit = code.numel() == kCodebookSize4;  // checked: 16 or 256 entries
+  at::Tensor out = four_bit ? at::empty({2 * n}, codes.options().dtype(dtype))
+                            : at::empty(codes.sizes(), codes.options().dtype(dtype));
   if (n == 0) return out;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (four_bit) {
+    auto launch4 = [&](auto* os) {
+      using T = std::remove_pointer_t<decltype(os)>;
+      dequantize4_kernel<T><<<grid_for(n, kThreads, 16), kThreads, 0, stream>>>(
+          codes.data_ptr<uint8_t>(), absmax.data_ptr<float>(), code.data_ptr<float>(), os, n, blocksize);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    switch (dtype) {
+      case at::kFloat: launch4(static_cast<float*>(out.data_ptr())); break;
+      case at::kBFloat16: launch4(static_cast<c10::BFloat16*>(out.data_ptr())); break;
+      case at::kHalf: launch4(static_cast<c10::Half*>(out.data_ptr())); break;
+      default: TORCH_INTERNAL_ASSERT(false);
+    }
+    return out;
+  }
   const bool vec_ok = reinterpret_cast<uintptr_t>(codes.data_ptr()) % 8 == 0 &&
                       reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
   const bool pow2 = (blocksize & (blocksize - 1)) == 0;

@@ -1,6 +1,7 @@
 // CUDA kernels of the generic quantized-state engine: one fused step of any algorithm of
 // pagedopt/algorithms.h over a list of tensors, 8-bit (blockwise codes) or 32-bit states, and the
-// norm pass of the algorithms whose update is scaled by its norm (LARS, LAMB).
+// norm pass of the algorithms whose update is scaled by its norm (LARS, LAMB). 4-bit states (a
+// 16-entry codebook per key) go to four_bit_step_kernel.cuh's kernels, in blocks of 128.
 //
 // The element math is the algorithm's update() and the quantization is codebook.h's nearest code,
 // as on the CPU, so the states come out bit for bit as the CPU's. Launches per call: one H2D copy
@@ -35,6 +36,7 @@
 
 #include "launch.h"
 #include "eight_bit_step_kernel.cuh"
+#include "four_bit_step_kernel.cuh"
 #include "pagedopt/algorithms.h"
 #include "pagedopt/codebook.h"
 
@@ -45,21 +47,6 @@ using namespace cuda_detail;
 
 constexpr int kPlainThreads = 256;
 constexpr int kPlainWarps = kPlainThreads / kWarp;
-
-// The tensor owning global block gb: the last t with starts[t] <= gb.
-__device__ __forceinline__ int owner_of(const int64_t* __restrict__ starts, int n, int64_t gb) {
-  int lo = 0;
-  int hi = n;  // starts[lo] <= gb < starts[hi]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (starts[mid] <= gb) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Setup: blocks [0, K * kTableBlocks) build the codebooks' search tables (8-bit states), the rest
@@ -202,8 +189,23 @@ void prepare_eight_bit_kernel(int device) {
 }
 
 template <typename Algo, typename T>
-void launch(const StepArgs<Algo>& args, bool eight_bit, bool norm_pass, int device, cudaStream_t stream) {
+void launch(const StepArgs<Algo>& args, StateBits bits, bool norm_pass, int device, cudaStream_t stream) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const bool eight_bit = bits == StateBits::k8;
+  if (bits == StateBits::k4) {
+    const int64_t want = ceil_div(args.total_blocks, int64_t{kFourBitWarps});
+    const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t{sms} * 8)));
+    if constexpr (has_update_norm<Algo>::value) {
+      if (norm_pass) {
+        four_bit_update_norm_kernel<Algo, T><<<grid, kFourBitThreads, 0, stream>>>(args);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return;
+      }
+    }
+    four_bit_step_kernel<Algo, T><<<grid, kFourBitThreads, 0, stream>>>(args);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   if (eight_bit && !norm_pass) {
     prepare_eight_bit_kernel<Algo, T>(device);
     constexpr int kThreads = engine_threads<Algo>();
@@ -300,10 +302,13 @@ at::Tensor device_metadata(const std::vector<uint8_t>& table, int device, uintpt
 
 template <typename Algo>
 void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList states, at::TensorList absmax,
-                    at::TensorList steps, at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
+                    at::TensorList steps, at::TensorList qmaps, c10::ArrayRef<double> hyper, StateBits bits,
                     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
                     const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& norms,
                     const std::optional<at::Tensor>& lr, const SrArgs& sr) {
+  const bool quantized = bits != StateBits::k32;
+  const bool four_bit = bits == StateBits::k4;
+  const int64_t block_size = state_block_size(bits);
   static_assert(Algo::kKeys <= kMaxKeys, "raise kMaxKeys");
   using Constants = typename Algo::Constants;
   const size_t n = params.size();
@@ -351,10 +356,14 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
       bool vec_ok = addr(m.p) % 16 == 0 && addr(m.g) % 16 == 0;
       for (int key = 0; key < Algo::kKeys; ++key) {
         m.state[key] = states[key * n + i].data_ptr();
-        m.absmax[key] = eight_bit ? absmax[key * n + i].data_ptr<float>() : nullptr;
+        m.absmax[key] = quantized ? absmax[key * n + i].data_ptr<float>() : nullptr;
       }
-      for (int j = 0; j < Algo::kMoments; ++j) {  // each moment's codes: 8-byte aligned
-        vec_ok = vec_ok && (addr(m.state[Algo::key_of(j)]) + Algo::stack_of(j) * m.numel) % 8 == 0;
+      for (int j = 0; j < Algo::kMoments; ++j) {  // each moment's codes: 8-byte (4-bit: 2-byte) aligned
+        if (four_bit) {
+          vec_ok = vec_ok && (addr(m.state[Algo::key_of(j)]) + Algo::stack_of(j) * packed_bytes(m.numel)) % 2 == 0;
+        } else {
+          vec_ok = vec_ok && (addr(m.state[Algo::key_of(j)]) + Algo::stack_of(j) * m.numel) % 8 == 0;
+        }
       }
       m.vec_ok = vec_ok ? 1 : 0;
       m.step = steps[i].data_ptr<float>();
@@ -362,11 +371,11 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
       m.norm = norms.has_value() ? norms->data_ptr<double>() + i : nullptr;
       m.sr_key = sr.on ? sr.key(i) : 0;
       m.sr_offset = sr.on ? sr.offset(i) : 0;
-      acc += ceil_div(m.numel, kStateBlockSize);
+      acc += ceil_div(m.numel, block_size);
       hstarts[si++] = acc;
     }
     group_blocks[gi] = acc;
-    TORCH_CHECK(acc < (int64_t{1} << 31), "quantized_step_: more than 2^31 blocks of ", kStateBlockSize,
+    TORCH_CHECK(acc < (int64_t{1} << 31), "quantized_step_: more than 2^31 blocks of ", block_size,
                 " elements of one dtype in one call");
   }
   const auto byte_opts = at::TensorOptions().dtype(at::kByte).device(device);
@@ -376,7 +385,7 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
   const auto* dstarts = reinterpret_cast<const int64_t*>(static_cast<const uint8_t*>(dev.data_ptr()) + meta_bytes);
 
   // Work buffer: [K code tables (8-bit steps)][stream per tensor (stochastic rounding)][constants per tensor].
-  const bool tables = eight_bit && !norms.has_value();
+  const bool tables = bits == StateBits::k8 && !norms.has_value();
   const bool rounding = sr.on && !norms.has_value();
   const size_t tables_bytes = tables ? Algo::kKeys * sizeof(CodeTable) : 0;
   const size_t streams_at = (tables_bytes + 15) / 16 * 16;
@@ -386,7 +395,7 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
   args.tables = tables ? reinterpret_cast<CodeTable*>(work.data_ptr()) : nullptr;
   auto* streams = rounding ? reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(work.data_ptr()) + streams_at) : nullptr;
   auto* consts = reinterpret_cast<Constants*>(static_cast<uint8_t*>(work.data_ptr()) + consts_at);
-  for (int key = 0; key < Algo::kKeys; ++key) args.qmap[key] = eight_bit ? qmaps[key].data_ptr<float>() : nullptr;
+  for (int key = 0; key < Algo::kKeys; ++key) args.qmap[key] = quantized ? qmaps[key].data_ptr<float>() : nullptr;
   args.grad_scale = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
   // the norm pass ignores found_inf (its result is not used when the step is skipped)
   args.found_inf = found_inf.has_value() && !norms.has_value() ? found_inf->data_ptr<float>() : nullptr;
@@ -416,13 +425,13 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
     args.total_blocks = group_blocks[gi];
     switch (group_dtype[gi]) {
       case at::kFloat:
-        launch<Algo, float>(args, eight_bit, norms.has_value(), device.index(), stream);
+        launch<Algo, float>(args, bits, norms.has_value(), device.index(), stream);
         break;
       case at::kBFloat16:
-        launch<Algo, c10::BFloat16>(args, eight_bit, norms.has_value(), device.index(), stream);
+        launch<Algo, c10::BFloat16>(args, bits, norms.has_value(), device.index(), stream);
         break;
       case at::kHalf:
-        launch<Algo, c10::Half>(args, eight_bit, norms.has_value(), device.index(), stream);
+        launch<Algo, c10::Half>(args, bits, norms.has_value(), device.index(), stream);
         break;
       default:
         TORCH_INTERNAL_ASSERT(false);
@@ -434,7 +443,7 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
 
 void quantized_step_cuda_unchecked(const std::string& algorithm, at::TensorList params, at::TensorList grads,
                                    at::TensorList states, at::TensorList absmax, at::TensorList steps,
-                                   at::TensorList qmaps, c10::ArrayRef<double> hyper, bool eight_bit,
+                                   at::TensorList qmaps, c10::ArrayRef<double> hyper, StateBits bits,
                                    const std::optional<at::Tensor>& grad_scale,
                                    const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& scales,
                                    const std::optional<at::Tensor>& norms, const std::optional<at::Tensor>& lr,
@@ -442,7 +451,7 @@ void quantized_step_cuda_unchecked(const std::string& algorithm, at::TensorList 
   if (params.empty()) return;
   if (norms.has_value()) norms->zero_();  // the norm pass adds into it
   with_algorithm(algorithm, [&](auto algo) {
-    step_algorithm<decltype(algo)>(params, grads, states, absmax, steps, qmaps, hyper, eight_bit, grad_scale,
+    step_algorithm<decltype(algo)>(params, grads, states, absmax, steps, qmaps, hyper, bits, grad_scale,
                                    found_inf, scales, norms, lr, sr);
   });
 }

@@ -13,7 +13,8 @@
 //                         and device: the CUDA kernels compute them on the GPU from the step tensor)
 //   update(p, g, s, c)    one element: g already unscaled, s[j] the moments (dequantized), updated
 //                         in place; returns the new parameter value
-// 8-bit moments use codebook qmap<key+1>, blockwise with one absmax per 256 elements. An element
+// 8-bit moments use codebook qmap<key+1>, blockwise with one absmax per 256 elements; 4-bit moments
+// (a 16-entry qmap<key+1>) two codes a byte, one absmax per 128 elements (pagedopt/four_bit.h). An element
 // counts toward its block's absmaxes only if all of its new moments are finite
 // (counts_for_absmax): a non-finite moment is stored saturated by the quantizer and does not
 // flatten the rest of its block.
@@ -94,10 +95,10 @@ void with_algorithm(const std::string& name, F&& f) {
 }
 
 // check_quantized_step_args for the algorithm of that name (its state keys and their stacked
-// moments); returns whether the states are 8-bit.
+// moments); returns the width of the states (32, 8 or 4 bits).
 // `per_tensor` (optional): the step's `scales` (float32) or the norm pass's `norms` (float64), one
 // entry per parameter, only for algorithms with kUpdateNorm.
-inline bool check_quantized_step(const std::string& algorithm, at::TensorList params, at::TensorList grads,
+inline StateBits check_quantized_step(const std::string& algorithm, at::TensorList params, at::TensorList grads,
                                  at::TensorList states, at::TensorList absmax, at::TensorList steps,
                                  at::TensorList qmaps, c10::ArrayRef<double> hyper,
                                  const std::optional<at::Tensor>& grad_scale,
@@ -105,12 +106,12 @@ inline bool check_quantized_step(const std::string& algorithm, at::TensorList pa
                                  const std::optional<at::Tensor>& per_tensor = std::nullopt,
                                  const char* per_tensor_name = "scales",
                                  at::ScalarType per_tensor_dtype = at::kFloat) {
-  bool eight_bit = false;
+  StateBits bits = StateBits::k32;
   with_algorithm(algorithm, [&](auto algo) {
     using Algo = decltype(algo);
     int stacks[Algo::kKeys] = {};
     for (int j = 0; j < Algo::kMoments; ++j) stacks[Algo::key_of(j)] += 1;
-    eight_bit = check_quantized_step_args(Algo::kKeys, stacks, Algo::kHyper, params, grads, states, absmax, steps,
+    bits = check_quantized_step_args(Algo::kKeys, stacks, Algo::kHyper, params, grads, states, absmax, steps,
                                           qmaps, hyper, grad_scale, found_inf);
     if (per_tensor.has_value()) {
       TORCH_CHECK(has_update_norm<Algo>::value, "quantized_step_: ", per_tensor_name, " is only for algorithms whose "
@@ -124,7 +125,7 @@ inline bool check_quantized_step(const std::string& algorithm, at::TensorList pa
                   ", params on ", params[0].device());
     }
   });
-  return eight_bit;
+  return bits;
 }
 
 }  // namespace pagedopt

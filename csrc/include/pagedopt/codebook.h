@@ -1,5 +1,5 @@
 #pragma once
-// Nearest-code search in a sorted 256-entry codebook, and dequantization.
+// Nearest-code search in a sorted 256-entry (8-bit) or 16-entry (4-bit) codebook, and dequantization.
 // One definition for CPU and CUDA so both backends produce identical codes.
 #include <cmath>
 
@@ -11,18 +11,28 @@ namespace pagedopt {
 // (the same answer as argmin(|code - x|)); NaN is quantized as 0.0. `code` must be sorted
 // ascending. Infinities saturate: +inf gets the last (largest) code, -inf the first (smallest):
 // -0.993 (the code nearest -1.0) for the signed dynamic map, 0.0 for the unsigned one.
-PAGEDOPT_HOST_DEVICE uint8_t nearest_code(const float* code, float x) {
+// kSize (a power of two): the codebook's number of entries.
+template <int kSize>
+PAGEDOPT_HOST_DEVICE uint8_t nearest_code_of(const float* code, float x) {
+  static_assert(kSize >= 2 && (kSize & (kSize - 1)) == 0, "a power-of-two codebook");
   if (x != x) x = 0.0f;
   int idx = 0;
 PAGEDOPT_UNROLL
-  for (int step = kCodebookSize / 2; step > 0; step >>= 1) {
+  for (int step = kSize / 2; step > 0; step >>= 1) {
     if (code[idx + step] <= x) idx += step;
   }
   // code[idx] <= x < code[idx + 1], except at the two ends of the codebook.
-  const int upper = idx + 1 < kCodebookSize ? idx + 1 : idx;
+  const int upper = idx + 1 < kSize ? idx + 1 : idx;
   const float d_lower = fabsf(x - code[idx]);
   const float d_upper = fabsf(code[upper] - x);
   return static_cast<uint8_t>(d_upper < d_lower ? upper : idx);
+}
+
+PAGEDOPT_HOST_DEVICE uint8_t nearest_code(const float* code, float x) { return nearest_code_of<kCodebookSize>(code, x); }
+
+// The 4-bit search (16 entries): the one function of the CPU and CUDA 4-bit kernels.
+PAGEDOPT_HOST_DEVICE uint8_t nearest_code4(const float* code, float x) {
+  return nearest_code_of<kCodebookSize4>(code, x);
 }
 
 // A block's absmax is the largest finite_abs of its values: NaN and +-inf do not count, so one
@@ -44,6 +54,10 @@ PAGEDOPT_HOST_DEVICE float absmax_reciprocal(float absmax) {
 
 PAGEDOPT_HOST_DEVICE uint8_t quantize_value(const float* code, float x, float inv_absmax) {
   return nearest_code(code, x * inv_absmax);
+}
+
+PAGEDOPT_HOST_DEVICE uint8_t quantize_value4(const float* code, float x, float inv_absmax) {
+  return nearest_code4(code, x * inv_absmax);
 }
 
 PAGEDOPT_HOST_DEVICE float dequantize_value(const float* code, uint8_t q, float absmax) {

@@ -17,6 +17,11 @@ namespace pagedopt {
 constexpr int64_t kStateBlockSize = 256;
 constexpr int kCodebookSize = 256;
 
+// 4-bit states (pagedopt/four_bit.h): two codes per byte, one fp32 absmax per 128 elements, a
+// 16-entry codebook.
+constexpr int64_t kStateBlockSize4 = 128;
+constexpr int kCodebookSize4 = 16;
+
 PAGEDOPT_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace pagedopt
