@@ -70,11 +70,11 @@ def _groups(m):
 def _make(name, m, bwd, buffer=None, **kw):
     """``bwd``: None: resident states; False: host-resident; True: host-resident, updated in backward.
     The buffer holds the largest parameter's states (mid.weight's 9216 elements times the moments,
-    1 or 4 bytes each, plus 4 KiB for absmax and alignment) with a quarter to spare, so that its
+    half a byte, 1 or 4 bytes each, plus 4 KiB for absmax and alignment) with a quarter to spare, so that its
     chunks (a quarter of it) cut the whole model's states (about 2.7 times mid.weight's) in three or more."""
     if buffer is None:
         moments = 1 if "Lion" in name else 3 if "AdEMAMix" in name else 2
-        buffer = int((9216 * moments * (1 if "8bit" in name else 4) + 4 * KiB) * 1.25)
+        buffer = int((9216 * moments * (1 if "8bit" in name else 0.5 if "4bit" in name else 4) + 4 * KiB) * 1.25)
     opt = getattr(pagedopt, name)(_groups(m), lr=1e-2, min_8bit_size=1024, **kw)
     opt.set_pager(residency="host", device_buffer=buffer, update_in_backward=bwd) if bwd is not None else \
         opt.set_pager(residency="device")

@@ -227,9 +227,9 @@ def test_the_same_bits_on_every_path(name, monkeypatch):
     monkeypatch.setattr(_ops, "quantized_step_", spy)
     fast = _train_net(name, "fast")
     moments = 1 if "Lion" in name else 3 if "AdEMAMix" in name else 2
-    per_element = moments * (1 if "8bit" in name else 4)
-    for mode in ("ordinary", f"host:{40000 * per_element}", f"host:{25000 * per_element}",
-                 f"backward:{60000 * per_element}"):
+    per_element = moments * (1 if "8bit" in name else 0.5 if "4bit" in name else 4)  # state bytes an element
+    for mode in ("ordinary", f"host:{int(40000 * per_element)}", f"host:{int(25000 * per_element)}",
+                 f"backward:{int(60000 * per_element)}"):
         other = _train_net(name, mode)
         assert all(torch.equal(a, b) for a, b in zip(fast, other)), mode
     assert (max(offsets, default=0) > 0) == ("AdEMAMix" not in name)  # pieces past a parameter's start were updated

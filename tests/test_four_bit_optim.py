@@ -109,7 +109,7 @@ def test_four_bit_state_layout(device):
 
 def test_ademamix_stacked_moments_in_four_bits():
     p = torch.nn.Parameter(torch.randn(3000))
-    opt = pagedopt.AdEMAMix([p], optim_bits=4)
+    opt = pagedopt.AdEMAMix([p], optim_bits=4, min_8bit_size=1024)
     p.grad = torch.randn(3000)
     opt.step()
     assert tuple(opt.state[p]["state1"].shape) == (2, 1500)
