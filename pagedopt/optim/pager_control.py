@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -61,7 +62,7 @@ class PagerControl:
             if not isinstance(update_in_backward, bool):
                 raise ValueError(f"set_pager: update_in_backward must be True or False, got {update_in_backward!r}")
             if update_in_backward:
-                from .backward_updates import refuse_unsupported
+                from .backward_hooks import refuse_unsupported
 
                 refuse_unsupported(self)
             self._set_backward_updates(update_in_backward, keep_grads)
@@ -80,7 +81,7 @@ class PagerControl:
         if not isinstance(update_in_backward, bool):
             raise ValueError(f"set_pager: update_in_backward must be True or False, got {update_in_backward!r}")
         if update_in_backward:
-            from .backward_updates import refuse_unsupported
+            from .backward_hooks import refuse_unsupported
 
             refuse_unsupported(self)
         chosen = (pager is not None) + (residency in ("host", "auto") or device_budget is not None)
@@ -161,6 +162,23 @@ class PagerControl:
         """Bytes held by optimizer state tensors (codes, absmax, 32-bit moments, steps)."""
         return optimizer_state_bytes(self)
 
+    def planned_state_bytes(self, config: dict, p: torch.Tensor) -> Optional[int]:
+        """The bytes of ``p``'s state tensors that take memory (the algorithm's ``memory_keys``):
+        those it has, else those a new state would have under ``config`` (its group's settings with
+        overrides); None when it has none and would get none (a stateless setting)."""
+        state = self.state.get(p, {})
+        keys = self.algorithm.memory_keys
+        if any(isinstance(state.get(k), torch.Tensor) for k in keys):
+            return sum(state[k].numel() * state[k].element_size() for k in keys if isinstance(state.get(k), torch.Tensor))
+        if not self.algorithm.needs_states(config):
+            return None
+        local = sharding.local(p)
+        eight_bit = self.uses_8bit(config, p)
+        blocks = (local.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
+        return sum(math.prod(spec.shape(local.shape)) * (1 if eight_bit else 4)
+                   + (4 * math.prod(spec.absmax_shape(blocks)) if eight_bit else 0)
+                   for spec in self.algorithm.states)
+
     def check_fits_device_buffer(self, config: dict, p: torch.Tensor, gi: int, pi: int) -> None:
         """Host-resident states stream through the device buffer in pieces of whole blocks, so any
         size fits; but the states of an algorithm that cannot be cut (stacked moments, an update
@@ -172,19 +190,9 @@ class PagerControl:
 
         if cuttable(self.algorithm):
             return
-        state = self.state.get(p, {})
-        keys = self.algorithm.memory_keys
-        if any(isinstance(state.get(k), torch.Tensor) for k in keys):
-            nbytes = sum(state[k].numel() * state[k].element_size() for k in keys if isinstance(state.get(k), torch.Tensor))
-        elif not self.algorithm.needs_states(config):
+        nbytes = self.planned_state_bytes(config, p)
+        if nbytes is None:
             return
-        else:
-            local = sharding.local(p)
-            eight_bit = self.uses_8bit(config, p)
-            blocks = (local.numel() + STATE_BLOCK_SIZE - 1) // STATE_BLOCK_SIZE
-            nbytes = sum(math.prod(spec.shape(local.shape)) * (1 if eight_bit else 4)
-                         + (4 * math.prod(spec.absmax_shape(blocks)) if eight_bit else 0)
-                         for spec in self.algorithm.states)
         # each state tensor's region is rounded up to the buffer's alignment (host_resident.REGION_ALIGN)
         from ..paging.host_resident import REGION_ALIGN
 
