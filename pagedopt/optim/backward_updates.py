@@ -12,9 +12,15 @@ runs as soon as its gradient is final (``register_post_accumulate_grad_hook``), 
 a quarter of the device buffer, so that the copies of states in and back overlap with the rest of
 backward, and ``step()`` only updates what is left (the parameters whose gradients came last).
 
-The schedule. After an ordinary step (the first one makes the states), the order in which the
-gradients arrived in that step's backward is cut into chunks (per device, in arrival order, each
-at most a quarter of the buffer, or one parameter); one pager pass (``HostResidentPager.open_pass``)
+The first step. Without a schedule (the first step, and the first after anything that drops it),
+the parameters are updated in chunks as their gradients arrive: once those waiting have a chunk's
+worth of states (made then, as one transaction), one step plan of theirs runs, and their gradients
+are released, so that no step holds more than about a chunk of gradients (backward_first_step.py).
+``step()`` updates the parameters still waiting, then makes the schedule.
+
+The schedule. After a step without one, the order in which the gradients arrived in that step's
+backward is cut into chunks (per device, in arrival order, each at most a quarter of the buffer,
+or one parameter); one pager pass (``HostResidentPager.open_pass``)
 per device and step copies the chunks in, in that order, starting right after the previous step
 (so the first chunks arrive during forward). During backward a chunk is updated once every one of
 its parameters has its gradient, on a stream of its own (after everything the backward has queued
@@ -25,32 +31,36 @@ incremented once.
 
 What the mode cannot do, and refuses or says: the gradient a parameter is updated with is the one
 it has when its hook fires, so gradient clipping and GradScaler (whose ``step`` unscales and checks
-all gradients after backward) don't apply (a GradScaler step raises before anything changes; the
-first step of the mode is an ordinary one); under DDP the hook sees the gradient before it is
+all gradients after backward) don't apply (a GradScaler step raises before ``step()`` changes
+anything, but the chunks updated during backward keep their update: a scaler cannot be seen
+before its step); under DDP the hook sees the gradient before it is
 all-reduced, so a process group of several ranks is refused, as are DTensor (FSDP2) parameters.
 A second backward before ``step()`` raises (gradient accumulation: set ``opt.update_in_backward =
 False`` for the micro-batches before the last). A parameter whose gradient did not come through a
 hook (set by hand) is updated in ``step()``, as are parameters not in the schedule; anything that
 changes the step plan (new states, ``load_state_dict``, ``add_param_group``, a different set of
-parameters with gradients) drops the schedule, and the next ordinary step makes a new one.
+parameters with gradients) drops the schedule, and the next step, updated as the first one is,
+makes a new one. A ``step()`` that raises (out of memory for the states of the parameters left to
+it) may be repeated: it finds the step's progress as it was; the next backward starts a new step.
+
+The parts: the hooks (backward_hooks.py), a step without a schedule (backward_first_step.py), the
+schedule's chunks (backward_schedule.py), the worker thread (update_worker.py); here, what ties
+them to the optimizer's step().
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
 import weakref
+from typing import Optional
 
 import torch
 
 from .. import _ops
-from . import kernels
 from .backward_first_step import FirstStep, update_chunk
 from .backward_hooks import GradHooks
-from .backward_schedule import Run, cut_into_chunks
+from .backward_schedule import Run, cut_into_chunks, update_part
 from .grad_checks import locate, raise_bad_grad
-from .plan import group_of
 from . import residency
-from .residency import make_chunk
 from .update_worker import UpdateWorker
 
 
@@ -305,8 +315,11 @@ class BackwardUpdates:
             try:
                 updated = []
                 for i, (bi, positions) in enumerate(parts):
-                    updated += self._update_part(opt, plan.buckets[bi], positions, view_of,
-                                                 None if verdicts is None else verdicts[i])
+                    bucket = plan.buckets[bi]
+                    part = update_part(opt, bucket, positions, view_of, self._stepped.setdefault(id(bucket), set()),
+                                       None if verdicts is None else verdicts[i])
+                    self._updated.update(map(id, part))
+                    updated += part
                 if release and not self.keep_grads:
                     self._release_grads(updated, device, k, stream)
             except ValueError as exc:  # a bad gradient (checked here when not by the hook): the step is abandoned
@@ -344,36 +357,6 @@ class BackwardUpdates:
                 if stream is not None:
                     g.record_stream(stream)
                 p.grad = None
-
-    def _update_part(self, opt, bucket, pieces: list, view_of: dict, verdict: Optional[int] = None) -> list:
-        """Chunk pieces of one bucket updated with one call; the parameters updated."""
-        pieces = [piece for piece in pieces if bucket.params[piece.j].grad is not None]
-        if not pieces:
-            return []
-        params = [bucket.params[piece.j] for piece in pieces]
-        grads = [p.grad for p in params]
-        if verdict is None:  # not checked by the hook
-            verdict = _ops.check_grads(params, grads)
-            if verdict >= 0:
-                raise_bad_grad(opt.param_groups, params[verdict])
-        if any(piece.start is not None for piece in pieces):  # flat ranges of whole blocks
-            params = [p if piece.start is None else p.view(-1)[piece.start:piece.end] for p, piece in zip(params, pieces)]
-            grads = [g if piece.start is None else g.reshape(-1)[piece.start:piece.end]
-                     for g, piece in zip(grads, pieces)]
-            contiguous = all(g.is_contiguous() for g in grads)
-        else:
-            contiguous = verdict == _ops.GRADS_CONTIGUOUS
-        lists = {key: [view_of[id(piece.by_key[key])] if key in piece.by_key else bucket.states[piece.j][key]
-                       for piece in pieces] for key in bucket.lists}
-        counters = [bucket.states[piece.j]["step"] for piece in pieces if piece.j not in self._stepped.get(id(bucket), ())]
-        self._stepped.setdefault(id(bucket), set()).update(piece.j for piece in pieces)
-        if counters:
-            torch._foreach_add_(counters, 1.0)  # once per parameter, at its first piece
-        kernels.step_chunk(opt.algorithm, bucket, group_of(opt.param_groups, bucket),
-                           make_chunk(params, grads, lists, contiguous, [piece.j for piece in pieces],
-                                      [piece.start or 0 for piece in pieces]), None, None)
-        self._updated.update(id(bucket.params[piece.j]) for piece in pieces)
-        return [bucket.params[piece.j] for piece in pieces]
 
     # ------------------------------------------------------------------ step()
     def active(self, opt) -> bool:
