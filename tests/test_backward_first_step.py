@@ -349,3 +349,33 @@ def test_a_new_backward_after_a_step_that_raised_starts_a_new_step():
         assert _step(m, opt, i, "cpu") > 0
     assert [float(opt.state[p]["step"]) for p in m.layers.parameters()] == [
         3.0 if p in updated else 2.0 for p in m.layers.parameters()]
+
+
+def test_a_default_device_buffer_grows_for_the_largest_state_that_cannot_be_cut(monkeypatch):
+    """AdEMAMix's stacked moments stream in one piece: a device buffer of the default size grows to
+    hold the largest before its first pass. The largest here is the first layer's, whose gradient
+    comes last, after the first chunks have run (and allocated the buffer): grown before them, as
+    the ordinary step grows it, the run is bit for bit the ordinary one."""
+    from pagedopt.paging import host_resident
+
+    monkeypatch.setattr(host_resident, "DEFAULT_DEVICE_BUFFER", 16 * KiB)
+
+    def make(bwd):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(256, WIDTH), *[nn.Linear(WIDTH, WIDTH) for _ in range(3)])
+        opt = pagedopt.PagedAdEMAMix8bit(m.parameters(), lr=1e-2, min_8bit_size=1024)
+        opt.set_pager(residency="host", update_in_backward=bwd)
+        return m, opt
+    (ref_m, ref), (m, opt) = make(False), make(True)
+    for i in range(3):
+        x = torch.randn(8, 256, generator=torch.Generator().manual_seed(i))
+        for mm, oo in ((ref_m, ref), (m, opt)):
+            mm(x).square().mean().backward()
+            if oo is opt and i == 0:  # the last layers' chunks ran during the first backward
+                assert m[3].weight.grad is None
+            oo.step()
+            oo.zero_grad()
+    assert opt.pager.device_buffer_bytes == ref.pager.device_buffer_bytes > 16 * KiB
+    for a, b in zip(ref_m.parameters(), m.parameters()):
+        assert torch.equal(a, b)
+    _assert_same_state_dicts(ref, opt)

@@ -39,8 +39,7 @@ class FirstStep:
     """The progress of one step without a schedule: the parameters whose gradient arrived and that
     wait for their chunk, per device, and their states' bytes (see the module)."""
 
-    def __init__(self, opt, limit: int):
-        self.limit = limit
+    def __init__(self, opt, chunks_per_buffer: int):
         self.stopped = False     # a chunk's states could not be made: the rest waits for step()
         self._waiting: dict = {}  # device -> [params]
         self._bytes: dict = {}    # device -> their states' bytes
@@ -51,6 +50,26 @@ class FirstStep:
             for pi, p in enumerate(group["params"]):
                 override = self.overrides.get((gi, pi))
                 self._config[id(p)] = {**group, **override} if override else group
+        pager = opt.pager
+        if residency.streams_states(pager) and not residency.cuttable(opt.algorithm):
+            self._fit_device_buffer(opt)
+        self.limit = residency.pass_chunk_bytes(pager, chunks_per_buffer, before_states=True)
+
+    def _fit_device_buffer(self, opt) -> None:
+        """States that stream in one piece (stacked moments, norm-scaled updates) must fit the
+        device buffer, which a default-sized one grows to hold before its first pass: the ordinary
+        step checks every parameter with a gradient first; here, before the first chunk allocates
+        the buffer, every parameter that may get one (the largest tensors, embeddings, often come
+        last). One that cannot fit leaves the whole step to step(), which raises before anything
+        changes if it has a gradient."""
+        for gi, group in enumerate(opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if isinstance(p, torch.Tensor) and p.requires_grad:
+                    try:
+                        opt.check_fits_device_buffer(self._config[id(p)], p, gi, pi)
+                    except ValueError:
+                        self.stopped = True
+                        return
 
     def arrive(self, opt, p: torch.Tensor) -> Optional[list]:
         """``p``'s gradient is final: the chunk to update now (a list of parameters), or None."""

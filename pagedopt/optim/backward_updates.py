@@ -151,8 +151,7 @@ class BackwardUpdates:
         """A gradient in a step without a schedule: its parameter waits for its chunk, which is
         updated once full (backward_first_step.py), and the chunk's gradients released."""
         if self._first is None:
-            limit = residency.pass_chunk_bytes(opt.pager, self.chunks_per_buffer, before_states=True)
-            self._first = FirstStep(opt, limit)
+            self._first = FirstStep(opt, self.chunks_per_buffer)
         chunk = self._first.arrive(opt, p)
         if chunk is None:
             return

@@ -349,6 +349,8 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         """A plan of ``params`` (parameters with gradients) run once and not cached: the states they
         lack made as one transaction, no held lists (a chunk of updates during backward without a
         schedule); ``overrides``: ``self.overrides(self.param_groups)``."""
+        if not isinstance(self.state, StateTable):  # replaced by hand
+            self.state = StateTable(self.state)
         streamed = streams_states(self._pager)
         return build_plan(self.algorithm, self.param_groups, self.state, self._plan_version, params, overrides,
                           self.complete_state, self.check_fits_device_buffer if streamed else None, streamed=True)
