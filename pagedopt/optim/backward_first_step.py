@@ -87,12 +87,13 @@ class FirstStep:
 
 
 def update_chunk(opt, params: list, overrides: dict, stream, begin: bool) -> bool:
-    """Update ``params`` (a chunk; their gradients final; ``overrides``: FirstStep's) with the ordinary step's kernels, on
-    ``stream`` (None: the current one) after the work queued so far; ``begin``: tell the pager that a
-    step begins. The gradients are checked first (a ValueError names a bad one, nothing changed),
-    then the states made, then, on CUDA, the device buffer of a streaming pager: running out of memory
-    there (or a device buffer too small for a state) changes nothing and returns False, with a
-    warning. True once the update is queued."""
+    """Update ``params`` (a chunk, their gradients final) with the ordinary step's kernels, on
+    ``stream`` (None: the current one) after the work queued so far; ``overrides``: FirstStep's;
+    ``begin``: tell the pager that a step begins. The gradients are checked first (a ValueError
+    names a bad one, nothing changed), then the states made (one transaction), then the device
+    buffer of a streaming pager allocated: running out of memory there (or a device buffer too
+    small for a state) leaves the states as they were, warns and returns False. True once the
+    update is queued."""
     grads = [p.grad for p in params]
     verdict = _ops.check_grads(params, grads)
     if verdict >= 0:

@@ -41,9 +41,10 @@ class PagerControl:
           with a budget, which pages states in and out around each step, is still
           ``set_pager(pagedopt.PageManager(budget_bytes=...))``; it moves more and is slower.)
         * ``update_in_backward=True`` (with any of them): each parameter is updated during
-          ``backward()`` as soon as its gradient is final, so that the states' copies overlap with
-          backward, and its gradient is then released (``p.grad = None``; ``keep_grads=True``
-          keeps it); ``step()`` updates what is left. Bit for bit the ordinary step; not with
+          ``backward()`` as soon as its gradient is final (from the first step on: there, in
+          chunks as the gradients arrive), so that the states' copies overlap with backward, and
+          its gradient is then released (``p.grad = None``; ``keep_grads=True`` keeps it);
+          ``step()`` updates what is left. Bit for bit the ordinary step; not with
           gradient clipping, GradScaler, DDP or FSDP2 (see pagedopt/optim/backward_updates.py).
           ``opt.update_in_backward = False`` turns it off (e.g. for gradient accumulation's
           micro-batches) and ``True`` on again.
@@ -169,7 +170,8 @@ class PagerControl:
         state = self.state.get(p, {})
         keys = self.algorithm.memory_keys
         if any(isinstance(state.get(k), torch.Tensor) for k in keys):
-            return sum(state[k].numel() * state[k].element_size() for k in keys if isinstance(state.get(k), torch.Tensor))
+            return sum(state[k].numel() * state[k].element_size() for k in keys
+                       if isinstance(state.get(k), torch.Tensor))
         if not self.algorithm.needs_states(config):
             return None
         local = sharding.local(p)
