@@ -56,11 +56,11 @@ def _expected(weights_bytes: int, act: int, buf: int = 256 * MIB, budget: int = 
 
     def hybrid(kept, grads):
         b = buf if kept < moved else 0  # no device buffer once every state stays
-        return (w + grads + counters + kept + b + t + ctx, w + g + counters + kept + b + t + ctx)
+        return (w + grads + counters + kept + b + t + ctx,) * 2  # the first step releases gradients too
     bud = moved // 2 if budget is None else budget
     out = {
         "resident": (w + g + s + t + ctx, w + g + s + t + ctx),
-        "resident_released": (w + rel(64 * MIB) + s + t + ctx, w + g + s + t + ctx),
+        "resident_released": (w + rel(64 * MIB) + s + t + ctx,) * 2,
         "budget_released": hybrid(min(bud, moved), rel(buf // 4)),
         "budget": hybrid(min(bud, moved), g),
         "host_released": hybrid(0, rel(buf // 4)),
@@ -157,23 +157,28 @@ def test_recommendation_picks_the_fastest_mode_that_fits():
     r = memory.recommend(e, 10 * by["resident"].worst_peak, m)
     assert r.mode == "resident" and r.alternatives == ["resident_released", "budget_released", "budget",
                                                        "host_released", "host"]
-    # resident does not fit, host does: the largest budget that fits, with updates during backward
+    # resident does not fit, host does: with gradient clipping or GradScaler (no released gradients)
+    # the largest budget that fits
     cap = _capacity_between(by["host"].worst_peak, by["resident"].worst_peak, m)
-    r = memory.recommend(e, cap, m)
+    r = memory.recommend(e, cap, m, release_ok=False)
     budget = memory.largest_budget(e, cap, m)
-    assert budget > 0 and r.mode == "budget_released" and "auto" in r.reason
-    assert r.how.endswith(f"set_pager(device_budget='{budget >> 30}GiB', update_in_backward=True)")
+    assert budget > 0 and r.mode == "budget" and "auto" in r.reason and r.alternatives == ["host"]
+    assert r.how.endswith(f"set_pager(device_budget='{budget >> 30}GiB')")
     more = next(p for p in memory.predict_modes(e, budget=budget + GIB) if p.mode == "budget")
     assert r.prediction.fits(cap, m) and not more.fits(cap, m)  # the largest whole GiB
     assert not by["resident"].fits(cap, m)
-    # gradient clipping / GradScaler: no released gradients
-    r = memory.recommend(e, cap, m, release_ok=False)
-    assert r.mode == "budget" and r.alternatives == ["host"]
+    # released gradients (every step's, the first one's too) save more than host residency: states
+    # resident with released gradients fit there
+    assert by["resident_released"].worst_peak < by["host"].worst_peak
+    assert memory.recommend(e, cap, m).mode == "resident_released"
     # room for the host modes and no more: no budget (a budget of 0 is host residency)
     tight = int(by["host"].worst_peak / (1 - m)) + 1
     assert memory.largest_budget(e, tight, m) == 0
-    assert memory.recommend(e, tight, m).mode == "host_released"
     assert memory.recommend(e, tight, m, release_ok=False).mode == "host"
+    # room for host states with released gradients only
+    tighter = _capacity_between(by["host_released"].worst_peak, by["resident_released"].worst_peak, m)
+    assert memory.recommend(e, tighter, m).mode == "host_released"
+    assert memory.recommend(e, tighter, m, release_ok=False).mode is None
 
 
 def test_recommendation_when_nothing_fits():
@@ -182,11 +187,12 @@ def test_recommendation_when_nothing_fits():
     bf16 = {p.mode: p for p in memory.predict_modes(memory.modes.with_weights(e, "bf16"))}
     host = next(p for p in memory.predict_modes(e) if p.mode == "host")
     m = 0.1
-    cap = _capacity_between(bf16["host"].worst_peak, bf16["resident"].worst_peak, m)
-    assert not host.fits(cap, m)
+    host_released = next(p for p in memory.predict_modes(e) if p.mode == "host_released")
+    cap = _capacity_between(bf16["host_released"].worst_peak, host_released.worst_peak, m)
+    assert not host.fits(cap, m) and not host_released.fits(cap, m)
     r = memory.recommend(e, cap, m)
     assert r.mode is None and r.prediction is None and "nothing fits" in r.reason
-    assert "with bf16 parameters budget_released fits" in r.reason
+    assert "with bf16 parameters host_released fits" in r.reason
     r = memory.recommend(e, int(bf16["host"].worst_peak * 0.5), m)
     assert r.mode is None and "bf16" not in r.reason
     t = memory.estimate(e.model, "adamw_torch", "bf16", batch=1, seq=512, gradient_checkpointing=True)
@@ -269,7 +275,7 @@ def test_a_budget_keeps_about_its_bytes_and_moves_the_rest():
 def test_released_gradients_bound_a_real_backward():
     """Updates during backward with host states (a 64 KiB buffer: 16 KiB chunks): the gradient bytes
     alive at once, counted by a hook that runs before the optimizer's, stay under the prediction; in the
-    first (ordinary) step every gradient is alive, as first_step_peak says."""
+    first step too (updated in chunks as the gradients arrive, its gradients released)."""
     net = _tiny_net()
     params = list(net.parameters())
     live, peaks = [0], []
@@ -290,8 +296,7 @@ def test_released_gradients_bound_a_real_backward():
         peaks.append(live[0])
     e = memory.estimate(Model(memory.tensors_from_module(net), ARCH, "net", True), "paged_adamw_8bit", "fp32")
     pred = next(p for p in memory.predict_modes(e, device_buffer=64 << 10) if p.mode == "host_released")
-    assert peaks[0] == e.gradients  # the first step is an ordinary one
-    assert 0 < max(peaks[1:]) <= pred.gradients < e.gradients
+    assert 0 < max(peaks) <= pred.gradients < e.gradients
 
 
 def test_cli_modes_table_and_json(capsys):
@@ -300,11 +305,8 @@ def test_cli_modes_table_and_json(capsys):
     text = capsys.readouterr().out
     for mode in memory.MODES:
         assert f"  {mode} " in text, mode
-    budget = memory.largest_budget(memory.estimate(memory.model_from_config("llama2-7b", use_transformers=False),
-                                                   "paged_adamw_8bit", "fp32", seq=512, gradient_checkpointing=True),
-                                   64 * GIB)
-    assert (f"recommended: PagedAdamW8bit(params, ...); opt.set_pager(device_budget='{budget >> 30}GiB', "
-            "update_in_backward=True)") in text
+    # states resident with released gradients fit (the first step releases them too)
+    assert "recommended: PagedAdamW8bit(params, ...); opt.set_pager(update_in_backward=True)" in text
     assert memory.main(["--config", "llama2-7b", "--no-transformers", "--weights", "fp32", "--gradient-checkpointing",
                         "--seq", "512", "--modes", "--gpu", "64", "--json", "--no-release"]) == 0
     doc = json.loads(capsys.readouterr().out)

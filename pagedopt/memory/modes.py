@@ -35,10 +35,10 @@ counted as the largest trainable tensor's gradient (a tensor larger than a chunk
 gradient until its last piece is updated) plus two chunks' worth of gradients in flight; a chunk is
 ``CHUNK_BYTES`` of states (a quarter of the device buffer for host-resident states).
 
-The first step of every mode is an ordinary one (it makes the states, and for updates during
-backward learns the order the gradients arrive in): it holds every gradient, so
-``first_step_peak`` is the resident or host mode's peak and a released-gradient mode fits only
-where that does too. Each prediction gives both, and ``fits`` takes the larger.
+The first step makes the states; with updates during backward it updates its parameters in
+chunks as their gradients arrive (the order later steps follow), releasing their gradients as
+later steps do, so ``first_step_peak`` is each mode's ``peak`` (kept apart, and ``fits`` takes the
+larger, for a first step that would cost more).
 
 ``allocator_peak`` is what ``torch.cuda.max_memory_allocated`` shows: neither the CUDA context
 nor managed memory (paged states) count there; ``peak`` adds both (what the GPU must hold).
@@ -182,8 +182,8 @@ def predict_modes(e: Estimate, device_buffer=DEVICE_BUFFER_BYTES, budget=None,
     out = {}
 
     def add(mode, how, on_gpu_alloc, managed, managed_on_gpu, bufb, grads, pinned, link, note=""):
-        first = w + g + on_gpu_alloc + bufb + transient
         steady = w + grads + on_gpu_alloc + bufb + transient
+        first = steady  # released modes release the first step's gradients too (backward_first_step.py)
         out[mode] = ModePrediction(mode, how, on_gpu_alloc + managed_on_gpu, managed, bufb, grads, steady, first,
                                    steady + managed_on_gpu + ctx, first + managed_on_gpu + ctx, pinned, link, link, note)
 
@@ -192,7 +192,7 @@ def predict_modes(e: Estimate, device_buffer=DEVICE_BUFFER_BYTES, budget=None,
     add("resident", own, alloc_states, managed, managed, 0, g, 0, 0)
     if paged is None:
         return list(out.values())
-    released = "no gradient clipping, GradScaler or DDP; the first step holds every gradient"
+    released = "no gradient clipping, GradScaler or DDP"
     add("resident_released", f"{own}; opt.set_pager(update_in_backward=True)", alloc_states, managed,
         managed, 0, released_gradients(e, PAGED_CHUNK_BYTES), 0, 0, released)
     paged_how = _class(paged)

@@ -12,9 +12,15 @@ runs as soon as its gradient is final (``register_post_accumulate_grad_hook``), 
 a quarter of the device buffer, so that the copies of states in and back overlap with the rest of
 backward, and ``step()`` only updates what is left (the parameters whose gradients came last).
 
-The schedule. After an ordinary step (the first one makes the states), the order in which the
-gradients arrived in that step's backward is cut into chunks (per device, in arrival order, each
-at most a quarter of the buffer, or one parameter); one pager pass (``HostResidentPager.open_pass``)
+The first step. Without a schedule (the first step, and the first after anything that drops it),
+the parameters are updated in chunks as their gradients arrive: once those waiting have a chunk's
+worth of states (made then, as one transaction), one step plan of theirs runs, and their gradients
+are released, so that no step holds more than about a chunk of gradients (backward_first_step.py).
+``step()`` updates the parameters still waiting, then makes the schedule.
+
+The schedule. After a step without one, the order in which the gradients arrived in that step's
+backward is cut into chunks (per device, in arrival order, each at most a quarter of the buffer,
+or one parameter); one pager pass (``HostResidentPager.open_pass``)
 per device and step copies the chunks in, in that order, starting right after the previous step
 (so the first chunks arrive during forward). During backward a chunk is updated once every one of
 its parameters has its gradient, on a stream of its own (after everything the backward has queued
@@ -25,62 +31,37 @@ incremented once.
 
 What the mode cannot do, and refuses or says: the gradient a parameter is updated with is the one
 it has when its hook fires, so gradient clipping and GradScaler (whose ``step`` unscales and checks
-all gradients after backward) don't apply (a GradScaler step raises before anything changes; the
-first step of the mode is an ordinary one); under DDP the hook sees the gradient before it is
+all gradients after backward) don't apply (a GradScaler step raises before ``step()`` changes
+anything, but the chunks updated during backward keep their update: a scaler cannot be seen
+before its step); under DDP the hook sees the gradient before it is
 all-reduced, so a process group of several ranks is refused, as are DTensor (FSDP2) parameters.
 A second backward before ``step()`` raises (gradient accumulation: set ``opt.update_in_backward =
 False`` for the micro-batches before the last). A parameter whose gradient did not come through a
 hook (set by hand) is updated in ``step()``, as are parameters not in the schedule; anything that
 changes the step plan (new states, ``load_state_dict``, ``add_param_group``, a different set of
-parameters with gradients) drops the schedule, and the next ordinary step makes a new one.
+parameters with gradients) drops the schedule, and the next step, updated as the first one is,
+makes a new one. A ``step()`` that raises (out of memory for the states of the parameters left to
+it) may be repeated: it finds the step's progress as it was; the next backward starts a new step.
+
+The parts: the hooks (backward_hooks.py), a step without a schedule (backward_first_step.py), the
+schedule's chunks (backward_schedule.py), the worker thread (update_worker.py); here, what ties
+them to the optimizer's step().
 """
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from typing import Optional
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _ops
-from . import kernels
-from .backward_schedule import Run, cut_into_chunks
+from .backward_first_step import FirstStep, update_chunk
+from .backward_hooks import GradHooks
+from .backward_schedule import Run, cut_into_chunks, update_part
 from .grad_checks import locate, raise_bad_grad
-from .plan import group_of
 from . import residency
-from .residency import make_chunk
 from .update_worker import UpdateWorker
-
-def refuse_unsupported(opt) -> None:
-    """Raise a ValueError, before anything changes, where updates in backward cannot be right."""
-    from . import sharding
-
-    name = type(opt).__name__
-    if getattr(opt, "capturable", False):
-        raise ValueError(f"{name}: update_in_backward=True cannot be captured in a CUDA graph (capturable=True)")
-    params = [p for g in opt.param_groups for p in g["params"]]
-    if sharding.has_dtensor(params):
-        raise ValueError(f"{name}: update_in_backward=True does not support DTensor (FSDP2) parameters: their "
-                         "gradients are reduced after backward")
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError(f"{name}: update_in_backward=True does not support a process group of several ranks "
-                         "(DDP all-reduces gradients after the hooks that would update them)")
-
-
-# parameter -> weakref of the BackwardUpdates whose hook updates it during backward. Two live
-# optimizers hooked on the same parameter would both update it in every backward (an old optimizer
-# still referenced when its replacement is made, as when a notebook cell runs again): the newest
-# one takes the parameter over, with a warning, and the other updates it only in its own step()
-_OWNERS = WeakIdKeyDictionary()
-
-
-def _remove_handles(hooked: dict) -> None:
-    for handle in hooked.values():
-        handle.remove()
-    hooked.clear()
 
 
 class BackwardUpdates:
@@ -105,10 +86,7 @@ class BackwardUpdates:
         self.enabled = True
         self.keep_grads = False               # True: gradients stay after their update (set_pager(keep_grads=True))
         self._last_chunk: dict = {}           # id(param) -> (device, chunk) that updates its last piece
-        self._hooked: dict[int, object] = {}  # id(param) -> hook handle
-        # a dropped optimizer's hooks come off its parameters (a model outliving many optimizers, as
-        # in a sweep, would otherwise call every old one's inert hook in each backward)
-        weakref.finalize(self, _remove_handles, self._hooked)
+        self._hooks = GradHooks(self, BackwardUpdates._on_grad, self._opt)
         self._arrived: list[int] = []         # ids of params in the order their gradients arrived
         self._arrived_set: set[int] = set()
         self._plan = None                     # the optimizer's step plan the schedule was made from
@@ -122,6 +100,8 @@ class BackwardUpdates:
         self._stepped: dict = {}              # id(bucket) -> positions whose counter was incremented
         self._streams: dict = {}
         self._worker: Optional[UpdateWorker] = None
+        self._first: Optional[FirstStep] = None  # a step without a schedule: its progress (backward_first_step.py)
+        self._failed = False                  # step() raised: the next backward starts the step afresh
         self._pass_plans: Optional[dict] = None  # device -> the pager's PassPlan of the schedule's chunks
         self.trace: Optional[list] = None     # a list: per chunk update, (chunk, gradients ready, update
         # started, update done) as CUDA timing events (scripts/profile_train_step.py reads it)
@@ -129,49 +109,10 @@ class BackwardUpdates:
 
     # ------------------------------------------------------------------ hooks
     def hook_params(self, params) -> None:
-        ref = weakref.ref(self)
-
-        def on_grad(p: torch.Tensor, ref=ref) -> None:
-            me = ref()
-            if me is not None:
-                me._on_grad(p)
-
-        taken = []
-        for p in params:
-            if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in self._hooked:
-                owner = _OWNERS.get(p)
-                other = owner() if owner is not None else None
-                if other is not None and other is not self and other._unhook(p):
-                    taken.append((p, other))
-                self._hooked[id(p)] = p.register_post_accumulate_grad_hook(on_grad)
-                _OWNERS[p] = ref
-        if taken:
-            self._warn_taken(taken)
-
-    def _unhook(self, p: torch.Tensor) -> bool:
-        """Stop updating ``p`` during backward; whether it was hooked here by a live optimizer."""
-        handle = self._hooked.pop(id(p), None)
-        if handle is None:
-            return False
-        handle.remove()
-        return self._opt() is not None
-
-    def _warn_taken(self, taken: list) -> None:
-        opt = self._opt()
-        p, other = taken[0]
-        other_opt = other._opt()
-        warnings.warn(f"{type(opt).__name__}: {locate(opt.param_groups, p)}"
-                      + (f" and {len(taken) - 1} more parameters were" if len(taken) > 1 else " was")
-                      + f" updated during backward by another live optimizer ({type(other_opt).__name__} at "
-                      f"{id(other_opt):#x}); this one updates them during backward now, the other one only in "
-                      "its own step() (drop every reference to it, or turn its update_in_backward off)",
-                      stacklevel=4)
+        self._hooks.add(params)
 
     def remove_hooks(self) -> None:
-        _remove_handles(self._hooked)
-        for p, owner in list(_OWNERS.items()):
-            if owner() is self:
-                del _OWNERS[p]
+        self._hooks.remove()
         self.drop_schedule()
         if self._worker is not None:
             self._worker.close()
@@ -182,6 +123,10 @@ class BackwardUpdates:
         if opt is None:
             return
         pid = id(p)
+        if self._failed:  # the backward after a step() that raised: a new step
+            self._failed = False
+            self._arrived, self._arrived_set = [], set()
+            self._reset_step()
         if pid not in self._arrived_set:
             self._arrived_set.add(pid)
             self._arrived.append(pid)
@@ -192,14 +137,40 @@ class BackwardUpdates:
                                "step(); with update_in_backward=True every backward() must be followed by step() "
                                "(for gradient accumulation set opt.update_in_backward = False for the micro-batches "
                                "before the last)")
-        if self._schedule is None or not self._current(opt):
-            return
         self._counted.add(pid)
+        if self._schedule is None or not self._current(opt):
+            self._first_step_grad(opt, p)
+            return
         for device, k in self._chunk_of.get(pid, ()):
             run = self._runs[device]
             run.waiting[k] -= 1
             while run.queued < len(run.chunks) and run.waiting[run.queued] == 0:
                 self._release_chunk(opt, device, run)
+
+    def _first_step_grad(self, opt, p: torch.Tensor) -> None:
+        """A gradient in a step without a schedule: its parameter waits for its chunk, which is
+        updated once full (backward_first_step.py), and the chunk's gradients released."""
+        if self._first is None:
+            self._first = FirstStep(opt, self.chunks_per_buffer)
+        chunk = self._first.arrive(opt, p)
+        if chunk is None:
+            return
+        stream = self._stream(p.device)
+        try:
+            done = update_chunk(opt, chunk, self._first.overrides, stream, begin=not self._began)
+        except ValueError as exc:  # a bad gradient
+            self._bad_gradient(exc)
+        if not done:
+            self._first.stopped = True
+            return
+        self._began = True
+        self._updated.update(id(q) for q in chunk)
+        if not self.keep_grads:
+            for q in chunk:
+                g = q.grad
+                if stream is not None:
+                    g.record_stream(stream)
+                q.grad = None
 
     # ------------------------------------------------------------------ the schedule
     def _current(self, opt) -> bool:
@@ -228,7 +199,7 @@ class BackwardUpdates:
         arrived, self._arrived, self._arrived_set = self._arrived, [], set()
         self._reset_step()
         self.drop_schedule()
-        if not self.enabled or plan is None or plan.sharded or not arrived or not self._hooked:
+        if not self.enabled or plan is None or plan.sharded or not arrived or not self._hooks:
             return
         position = {}
         for bi, b in enumerate(plan.buckets):
@@ -343,8 +314,11 @@ class BackwardUpdates:
             try:
                 updated = []
                 for i, (bi, positions) in enumerate(parts):
-                    updated += self._update_part(opt, plan.buckets[bi], positions, view_of,
-                                                 None if verdicts is None else verdicts[i])
+                    bucket = plan.buckets[bi]
+                    part = update_part(opt, bucket, positions, view_of, self._stepped.setdefault(id(bucket), set()),
+                                       None if verdicts is None else verdicts[i])
+                    self._updated.update(map(id, part))
+                    updated += part
                 if release and not self.keep_grads:
                     self._release_grads(updated, device, k, stream)
             except ValueError as exc:  # a bad gradient (checked here when not by the hook): the step is abandoned
@@ -382,36 +356,6 @@ class BackwardUpdates:
                 if stream is not None:
                     g.record_stream(stream)
                 p.grad = None
-
-    def _update_part(self, opt, bucket, pieces: list, view_of: dict, verdict: Optional[int] = None) -> list:
-        """Chunk pieces of one bucket updated with one call; the parameters updated."""
-        pieces = [piece for piece in pieces if bucket.params[piece.j].grad is not None]
-        if not pieces:
-            return []
-        params = [bucket.params[piece.j] for piece in pieces]
-        grads = [p.grad for p in params]
-        if verdict is None:  # not checked by the hook
-            verdict = _ops.check_grads(params, grads)
-            if verdict >= 0:
-                raise_bad_grad(opt.param_groups, params[verdict])
-        if any(piece.start is not None for piece in pieces):  # flat ranges of whole blocks
-            params = [p if piece.start is None else p.view(-1)[piece.start:piece.end] for p, piece in zip(params, pieces)]
-            grads = [g if piece.start is None else g.reshape(-1)[piece.start:piece.end]
-                     for g, piece in zip(grads, pieces)]
-            contiguous = all(g.is_contiguous() for g in grads)
-        else:
-            contiguous = verdict == _ops.GRADS_CONTIGUOUS
-        lists = {key: [view_of[id(piece.by_key[key])] if key in piece.by_key else bucket.states[piece.j][key]
-                       for piece in pieces] for key in bucket.lists}
-        counters = [bucket.states[piece.j]["step"] for piece in pieces if piece.j not in self._stepped.get(id(bucket), ())]
-        self._stepped.setdefault(id(bucket), set()).update(piece.j for piece in pieces)
-        if counters:
-            torch._foreach_add_(counters, 1.0)  # once per parameter, at its first piece
-        kernels.step_chunk(opt.algorithm, bucket, group_of(opt.param_groups, bucket),
-                           make_chunk(params, grads, lists, contiguous, [piece.j for piece in pieces],
-                                      [piece.start or 0 for piece in pieces]), None, None)
-        self._updated.update(id(bucket.params[piece.j]) for piece in pieces)
-        return [bucket.params[piece.j] for piece in pieces]
 
     # ------------------------------------------------------------------ step()
     def active(self, opt) -> bool:
@@ -452,6 +396,26 @@ class BackwardUpdates:
             self.wait_for_updates()
         return self._updated
 
+    @property
+    def began(self) -> bool:
+        """Whether the pager was told that this step began (by an update during backward)."""
+        return self._began
+
+    def finish_first_step(self, opt) -> set[int]:
+        """step() of a step without a schedule: the ids of the parameters updated during its
+        backward (step() updates the rest the ordinary way), once the caller's streams wait for
+        their updates."""
+        try:
+            self._join_worker()
+        finally:
+            self.wait_for_updates()
+        return self._updated
+
+    def step_failed(self) -> None:
+        """step() raised: a repeated step() finds this step's progress as it was; the next
+        backward starts a new step."""
+        self._failed = True
+
     def wait_for_updates(self) -> None:
         """The caller's streams wait for every update queued on the update streams."""
         for device, stream in self._streams.items():
@@ -474,3 +438,5 @@ class BackwardUpdates:
         self._updated = set()
         self._checked = False
         self._runs = None
+        self._first = None
+        self._failed = False

@@ -260,17 +260,35 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         self._check_changed_settings()
         plan = self._plan
         bwd = self._backward_updates
-        if plan is not None and plan.fast and (bwd is None or not bwd.active(self)) and fast_step(self, plan):
-            return
         if bwd is None:
-            self._update_params()
-        elif bwd.active(self):  # updates during backward (backward_updates.py): the rest of them
-            extra = self._update_params(exclude=bwd.finish_step(self))
+            if plan is None or not plan.fast or not fast_step(self, plan):
+                self._update_params()
+            return
+        try:
+            self._finish_backward_updates(bwd, plan)
+        except BaseException:
+            bwd.step_failed()  # a repeated step() finds the progress as it was
+            raise
+
+    def _finish_backward_updates(self, bwd, plan: Optional[StepPlan]) -> None:
+        """step() with updates during backward (backward_updates.py): the rest of a step of the
+        schedule; or, without one, the parameters not updated during backward, then the plan of
+        every parameter of the step and the schedule made from it."""
+        if bwd.active(self):
+            extra = self._update_params(exclude=bwd.finish_step(self), begin=not bwd.began)
             bwd.end_step(self, drop=extra is not None)
-        else:
-            if bwd.enabled:
-                bwd.refuse_grad_scaler(self)
-            bwd.make_schedule(self, self._update_params())
+            return
+        if bwd.enabled:
+            bwd.refuse_grad_scaler(self)
+        done = bwd.finish_first_step(self)  # ids of the parameters updated during backward
+        if not done and plan is not None and plan.fast and fast_step(self, plan):
+            bwd.end_step(self, drop=False)
+            return
+        plan = self._update_params(exclude=done, begin=not bwd.began)
+        if done:
+            plan = self._step_plan([p for g in self.param_groups for p in g["params"]
+                                    if id(p) in done or p.grad is not None])
+        bwd.make_schedule(self, plan)
 
     def _check_changed_settings(self) -> None:
         """Settings changed in ``param_groups`` since they were last checked (by hand, a scheduler
@@ -285,8 +303,9 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
             self.check_hyperparameters(group, f"param_groups[{gi}]")
             seen[gi] = {k: v for k, v in group.items() if k != "params"}
 
-    def _update_params(self, exclude=frozenset()) -> Optional[StepPlan]:
-        """The ordinary step of the parameters with gradients (but those in ``exclude``, ids); its plan."""
+    def _update_params(self, exclude=frozenset(), begin: bool = True) -> Optional[StepPlan]:
+        """The ordinary step of the parameters with gradients (but those in ``exclude``, ids); its
+        plan (``begin``: executor.count_and_step's)."""
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         for group in self.param_groups:
@@ -316,7 +335,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
             plan = self._step_plan(params)
         executor.run(self.algorithm, self._pager, self.param_groups, plan, work_params, work_grads,
                      verdict == _ops.GRADS_CONTIGUOUS, getattr(self, "grad_scale", None),
-                     getattr(self, "found_inf", None))
+                     getattr(self, "found_inf", None), begin)
         return plan
 
     def _step_plan(self, params: list[torch.Tensor]) -> StepPlan:
@@ -336,6 +355,16 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
                               self.complete_state, None, False)  # the resident plan (states held in C++)
         self._plan = hold_params_for_fast_steps(plan, params, self.param_groups, self._pager, self.algorithm)
         return self._plan
+
+    def make_plan(self, params: list[torch.Tensor], overrides: dict) -> StepPlan:
+        """A plan of ``params`` (parameters with gradients) run once and not cached: the states they
+        lack made as one transaction, no held lists (a chunk of updates during backward without a
+        schedule); ``overrides``: ``self.overrides(self.param_groups)``."""
+        if not isinstance(self.state, StateTable):  # replaced by hand
+            self.state = StateTable(self.state)
+        streamed = streams_states(self._pager)
+        return build_plan(self.algorithm, self.param_groups, self.state, self._plan_version, params, overrides,
+                          self.complete_state, self.check_fits_device_buffer if streamed else None, streamed=True)
 
     def _cached_plan(self, params: list[torch.Tensor]) -> Optional[StepPlan]:
         """The cached plan if it still fits these parameters, the groups and the state, else None."""

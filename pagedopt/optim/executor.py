@@ -20,17 +20,18 @@ from .sharding import is_dtensor
 from .step_counters import add_to_counters, subtract_from_counters
 
 
-def count_and_step(pager, plan: StepPlan, step_bucket: Callable, grad_scale, found_inf) -> None:
+def count_and_step(pager, plan: StepPlan, step_bucket: Callable, grad_scale, found_inf, begin: bool = True) -> None:
     """What every step does around its buckets: a streaming pager's device buffers allocated (so
     that running out of memory there leaves everything as it was), step counters + 1, the pager
-    told that a step begins, ``step_bucket(i, bucket, grad_scale, found_inf)`` per bucket with GradScaler's tensors
-    on the bucket's device, then counters - found_inf."""
+    told that a step begins (``begin``; not when updates during backward already told it),
+    ``step_bucket(i, bucket, grad_scale, found_inf)`` per bucket with GradScaler's tensors on the
+    bucket's device, then counters - found_inf."""
     if residency.streams_now(pager):  # the device buffers first: out of memory there changes nothing
         for device in plan.steps_by_device:
             pager.reserve(device)
     for steps in plan.steps_by_device.values():
         add_to_counters(steps, 1.0)
-    if pager is not None:
+    if pager is not None and begin:
         pager.begin_step()
     for i, bucket in enumerate(plan.buckets):
         scale = None if grad_scale is None else grad_scale.to(bucket.device, non_blocking=True)
@@ -42,15 +43,16 @@ def count_and_step(pager, plan: StepPlan, step_bucket: Callable, grad_scale, fou
 
 
 def run(spec: AlgorithmSpec, pager, param_groups: list[dict], plan: StepPlan, work_params: list, work_grads: list,
-        contiguous: bool, grad_scale, found_inf) -> None:
+        contiguous: bool, grad_scale, found_inf, begin: bool = True) -> None:
     """The ordinary step of ``plan``: ``work_params``/``work_grads`` are step()'s parameters with
-    gradients (local shards of DTensor parameters), in the plan's order, all checked."""
+    gradients (local shards of DTensor parameters), in the plan's order, all checked (``begin``:
+    see count_and_step)."""
     def one_bucket(i, bucket, scale, inf):
         grads = [work_grads[k] for k in bucket.index]
         params = [work_params[k] for k in bucket.index] if plan.sharded else bucket.params
         step_bucket(spec, pager, group_of(param_groups, bucket), bucket, params, grads, contiguous, scale, inf)
 
-    count_and_step(pager, plan, one_bucket, grad_scale, found_inf)
+    count_and_step(pager, plan, one_bucket, grad_scale, found_inf, begin)
 
 
 def step_bucket(spec: AlgorithmSpec, pager, group: dict, bucket: Bucket, params, grads, contiguous: bool,

@@ -3,6 +3,8 @@
 ``paging_stats``, and the check that host-resident states fit their device buffer."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import sharding
@@ -37,9 +39,10 @@ class PagerControl:
           with a budget, which pages states in and out around each step, is still
           ``set_pager(pagedopt.PageManager(budget_bytes=...))``; it moves more and is slower.)
         * ``update_in_backward=True`` (with any of them): each parameter is updated during
-          ``backward()`` as soon as its gradient is final, so that the states' copies overlap with
-          backward, and its gradient is then released (``p.grad = None``; ``keep_grads=True``
-          keeps it); ``step()`` updates what is left. Bit for bit the ordinary step; not with
+          ``backward()`` as soon as its gradient is final (from the first step on: there, in
+          chunks as the gradients arrive), so that the states' copies overlap with backward, and
+          its gradient is then released (``p.grad = None``; ``keep_grads=True`` keeps it);
+          ``step()`` updates what is left. Bit for bit the ordinary step; not with
           gradient clipping, GradScaler, DDP or FSDP2 (see pagedopt/optim/backward_updates.py).
           ``opt.update_in_backward = False`` turns it off (e.g. for gradient accumulation's
           micro-batches) and ``True`` on again.
@@ -58,7 +61,7 @@ class PagerControl:
             if not isinstance(update_in_backward, bool):
                 raise ValueError(f"set_pager: update_in_backward must be True or False, got {update_in_backward!r}")
             if update_in_backward:
-                from .backward_updates import refuse_unsupported
+                from .backward_hooks import refuse_unsupported
 
                 refuse_unsupported(self)
             self._set_backward_updates(update_in_backward, keep_grads)
@@ -77,7 +80,7 @@ class PagerControl:
         if not isinstance(update_in_backward, bool):
             raise ValueError(f"set_pager: update_in_backward must be True or False, got {update_in_backward!r}")
         if update_in_backward:
-            from .backward_updates import refuse_unsupported
+            from .backward_hooks import refuse_unsupported
 
             refuse_unsupported(self)
         chosen = (pager is not None) + (residency in ("host", "auto") or device_budget is not None)
@@ -158,6 +161,20 @@ class PagerControl:
         """Bytes held by optimizer state tensors (codes, absmax, 32-bit moments, steps)."""
         return optimizer_state_bytes(self)
 
+    def planned_state_bytes(self, config: dict, p: torch.Tensor) -> Optional[int]:
+        """The bytes of ``p``'s state tensors that take memory (the algorithm's ``memory_keys``):
+        those it has, else those a new state would have under ``config`` (its group's settings with
+        overrides); None when it has none and would get none (a stateless setting)."""
+        state = self.state.get(p, {})
+        keys = self.algorithm.memory_keys
+        if any(isinstance(state.get(k), torch.Tensor) for k in keys):
+            return sum(state[k].numel() * state[k].element_size() for k in keys
+                       if isinstance(state.get(k), torch.Tensor))
+        if not self.algorithm.needs_states(config):
+            return None
+        fmt = self.state_format(config, p)
+        return sum(fmt.state_bytes(spec.moments, sharding.local_numel(p)) for spec in self.algorithm.states)
+
     def check_fits_device_buffer(self, config: dict, p: torch.Tensor, gi: int, pi: int) -> None:
         """Host-resident states stream through the device buffer in pieces of whole blocks, so any
         size fits; but the states of an algorithm that cannot be cut (stacked moments, an update
@@ -169,15 +186,9 @@ class PagerControl:
 
         if cuttable(self.algorithm):
             return
-        state = self.state.get(p, {})
-        keys = self.algorithm.memory_keys
-        if any(isinstance(state.get(k), torch.Tensor) for k in keys):
-            nbytes = sum(state[k].numel() * state[k].element_size() for k in keys if isinstance(state.get(k), torch.Tensor))
-        elif not self.algorithm.needs_states(config):
+        nbytes = self.planned_state_bytes(config, p)
+        if nbytes is None:
             return
-        else:
-            fmt = self.state_format(config, p)
-            nbytes = sum(fmt.state_bytes(spec.moments, sharding.local_numel(p)) for spec in self.algorithm.states)
         # each state tensor's region is rounded up to the buffer's alignment (host_resident.REGION_ALIGN)
         from ..paging.host_resident import REGION_ALIGN
 

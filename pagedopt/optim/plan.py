@@ -109,7 +109,7 @@ def build_plan(spec: AlgorithmSpec, param_groups: list[dict], state: StateTable,
     index) -> GlobalOptimManager settings; ``new_state(config, p, existing)``: ``p``'s state dict
     made complete (a new dict: ``existing`` is not changed), or None when it is; ``check_new(config,
     p, gi, pi)`` refuses a parameter before anything is made (host residency's buffer);
-    ``streamed``: states stream from the host, so no bucket holds device lists."""
+    ``streamed``: no bucket holds device lists (states stream from the host, or the plan runs once)."""
     index_of = {id(p): (gi, pi) for gi, group in enumerate(param_groups) for pi, p in enumerate(group["params"])}
     group_start = [0]
     for group in param_groups:

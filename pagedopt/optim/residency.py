@@ -207,10 +207,11 @@ class DirectPass:
         pass
 
 
-def pass_chunk_bytes(pager, chunks_per_buffer: int) -> int:
+def pass_chunk_bytes(pager, chunks_per_buffer: int, before_states: bool = False) -> int:
     """The state bytes of a chunk of updates during backward: a share of a streaming pager's
-    device buffer (every chunk of it in flight), else CHUNK_BYTES."""
-    if streams_now(pager):
+    device buffer (every chunk of it in flight), else CHUNK_BYTES. ``before_states``: in a step
+    whose states may not be made yet, a pager that streams states is taken to stream them."""
+    if streams_now(pager) or (before_states and streams_states(pager)):
         return max(pager.device_buffer_bytes // chunks_per_buffer, 1)
     return CHUNK_BYTES
 
