@@ -69,7 +69,8 @@ def test_cuda_step_matches_cpu(algorithm, seed, sizes, dtype, misalign, nonfinit
     params, grads, states, absmax = make_states(stacks, kinds, sizes, gen, dtype, mixed)
     if nonfinite:
         for g in grads:
-            g[torch.randint(0, g.numel(), (2,), generator=gen)] = torch.tensor([float("nan"), float("inf")], dtype=g.dtype)
+            nonfinite_values = torch.tensor([float("nan"), float("inf")], dtype=g.dtype)
+            g[torch.randint(0, g.numel(), (2,), generator=gen)] = nonfinite_values
     before = [p.clone() for p in params]
     steps = [torch.tensor(3.0) for _ in sizes]
     qmaps = codebooks(kinds)
@@ -101,7 +102,8 @@ def test_cuda_found_inf_changes_nothing():
     stacks, kinds, hyper, _ = ALGORITHMS["adam"]
     gen = torch.Generator().manual_seed(4)
     params, grads, states, absmax = make_states(stacks, kinds, [300], gen, torch.float32)
-    gp, gs, ga = [p.cuda() for p in params], [[t.cuda() for t in k] for k in states], [[t.cuda() for t in k] for k in absmax]
+    gp = [p.cuda() for p in params]
+    gs, ga = [[t.cuda() for t in k] for k in states], [[t.cuda() for t in k] for k in absmax]
     _ops.quantized_step_("adam", gp, [g.cuda() for g in grads], gs, ga, [torch.tensor(1.0, device=CUDA)],
                          [q.cuda() for q in codebooks(kinds)], hyper, found_inf=torch.tensor(1.0, device=CUDA))
     assert torch.equal(gp[0].cpu(), params[0])

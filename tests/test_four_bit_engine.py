@@ -14,7 +14,6 @@ from pagedopt import _ops
 from pagedopt.quant import (dequantize_4bit_reference, dynamic_codebook, dynamic_codebook_4bit,
                             linear_codebook_4bit_no_zero, pack_4bit, quantize_4bit_reference, unpack_4bit)
 
-from reference import quantization_error_bound
 from reference_four_bit import (ALGORITHMS, BLOCK4, adam4bit_step_reference, blocks4, codebooks, packed,
                                 step_via_fp32)
 
@@ -39,7 +38,8 @@ def test_codebooks():
     assert (code[1:] > code[:-1]).all()
     assert code[0] == -1.0 and code[-1] == 1.0 and (code == 0).any()
     unsigned = dynamic_codebook_4bit(False)
-    assert unsigned.numel() == 16 and unsigned[0] == 0.0 and unsigned[-1] == 1.0 and (unsigned[1:] > unsigned[:-1]).all()
+    assert unsigned.numel() == 16 and unsigned[0] == 0.0 and unsigned[-1] == 1.0
+    assert (unsigned[1:] > unsigned[:-1]).all()
     v = linear_codebook_4bit_no_zero()
     assert torch.equal(v, torch.tensor([(i + 1) / 16 for i in range(16)]))
     assert not (v == 0).any()
@@ -145,7 +145,8 @@ def test_step_matches_reference_bit_for_bit(algorithm, seed, sizes, dtype, step,
     params, grads, states, absmax = make_states(stacks, kinds, sizes, gen, dtype, mixed)
     if nonfinite:
         for g in grads:
-            g[torch.randint(0, g.numel(), (2,), generator=gen)] = torch.tensor([float("nan"), float("inf")], dtype=g.dtype)
+            nonfinite_values = torch.tensor([float("nan"), float("inf")], dtype=g.dtype)
+            g[torch.randint(0, g.numel(), (2,), generator=gen)] = nonfinite_values
     qmaps = codebooks(kinds)
     steps = [torch.tensor(float(step)) for _ in sizes]
     kw = {}
