@@ -23,21 +23,25 @@ CODEBOOK_SIZE_4 = 16
 STATE_BLOCK_SIZE_4 = 128
 
 
-@functools.lru_cache(maxsize=None)
-def _dynamic_map_cpu(signed: bool) -> torch.Tensor:
-    exponent_bits = 7
-    non_sign_bits = 7
+def _decade_means(exponent_bits: int, signed: bool) -> list[float]:
+    """The dynamic map's codes but 0 and 1: decade i (of ``exponent_bits``) covers
+    [10^(i-e+1) * 0.1, 10^(i-e+1)] with 2^i (signed, with their negatives) or 2^(i+1) linearly
+    spaced means."""
     values: list[float] = []
     for i in range(exponent_bits):
-        # Decade i covers [10^(i-6) * 0.1, 10^(i-6)] with linearly spaced means.
         shift = 0 if signed else 1
-        n_fraction = 2 ** (i + non_sign_bits - exponent_bits + shift) + 1
+        n_fraction = 2 ** (i + shift) + 1
         edges = torch.linspace(0.1, 1, n_fraction, dtype=torch.float32)
         means = ((edges[:-1] + edges[1:]) / 2.0) * (10 ** (-(exponent_bits - 1) + i))
         values += means.tolist()
         if signed:
             values += (-means).tolist()
-    values += [0.0, 1.0]
+    return values
+
+
+@functools.lru_cache(maxsize=None)
+def _dynamic_map_cpu(signed: bool) -> torch.Tensor:
+    values = _decade_means(7, signed) + [0.0, 1.0]
     assert len(values) == CODEBOOK_SIZE, len(values)
     code = torch.tensor(sorted(values), dtype=torch.float32)
     code.requires_grad_(False)
@@ -140,16 +144,7 @@ def _dynamic_map_4bit(signed: bool) -> list[float]:
     [1e-3, 1e-2], [1e-2, 1e-1], [1e-1, 1] hold 1, 2 and 4 means (signed) or 2, 4 and 8 of which
     the largest are kept (unsigned); plus 0 and the ends 1 (and -1, signed; to make room, the
     signed map drops the smallest negative mean, so its negative half is one value shorter)."""
-    values: list[float] = [0.0, 1.0]
-    shift = 0 if signed else 1
-    for i in range(3):
-        n_fraction = 2 ** (i + shift) + 1
-        edges = torch.linspace(0.1, 1, n_fraction, dtype=torch.float32)
-        means = (((edges[:-1] + edges[1:]) / 2.0) * (10 ** (-2 + i))).tolist()
-        values += means
-        if signed:
-            values += [-m for m in means]
-    values = sorted(set(values))
+    values = sorted(set([0.0, 1.0] + _decade_means(3, signed)))
     if signed:
         values = [-1.0] + [v for v in values if v != -min(abs(v) for v in values if v != 0.0)]
     else:

@@ -53,20 +53,24 @@ def check_params(got, exp, before, dtype, what):
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 @given(seed=st.integers(0, 2**31), sizes=st.lists(st.integers(1, 1500), min_size=1, max_size=4),
        dtype=st.sampled_from(DTYPES), misalign=st.booleans(), nonfinite=st.booleans(),
-       grad_scale=st.sampled_from([None, 1024.0]), lr_tensor=st.booleans(), sr=st.booleans())
+       grad_scale=st.sampled_from([None, 1024.0]), lr_tensor=st.booleans(), sr=st.booleans(), mixed=st.booleans())
 @example(seed=1, sizes=[1, 2, 127, 128, 129, 256, 1000, 4096 + 3], dtype=torch.float32, misalign=False,
-         nonfinite=True, grad_scale=None, lr_tensor=False, sr=False)
+         nonfinite=True, grad_scale=None, lr_tensor=False, sr=False, mixed=False)
 @example(seed=2, sizes=[3, 128, 640], dtype=torch.bfloat16, misalign=True, nonfinite=False, grad_scale=1024.0,
-         lr_tensor=True, sr=True)
+         lr_tensor=True, sr=True, mixed=False)
 @example(seed=3, sizes=[4096], dtype=torch.float16, misalign=False, nonfinite=False, grad_scale=None,
-         lr_tensor=False, sr=False)
-def test_cuda_step_matches_cpu(algorithm, seed, sizes, dtype, misalign, nonfinite, grad_scale, lr_tensor, sr):
+         lr_tensor=False, sr=False, mixed=False)
+@example(seed=4, sizes=[300, 4096, 129, 7, 1024, 5], dtype=torch.float32, misalign=False, nonfinite=False,
+         grad_scale=None, lr_tensor=False, sr=True, mixed=True)
+def test_cuda_step_matches_cpu(algorithm, seed, sizes, dtype, misalign, nonfinite, grad_scale, lr_tensor, sr, mixed):
+    """`mixed`: parameters of the three dtypes in one call (the CUDA step launches one kernel per dtype)."""
     stacks, kinds, hyper, takes_scales = ALGORITHMS[algorithm]
     gen = torch.Generator().manual_seed(seed)
-    params, grads, states, absmax = make_states(stacks, kinds, sizes, gen, dtype)
+    params, grads, states, absmax = make_states(stacks, kinds, sizes, gen, dtype, mixed)
     if nonfinite:
         for g in grads:
-            g[torch.randint(0, g.numel(), (2,), generator=gen)] = torch.tensor([float("nan"), float("inf")], dtype=dtype)
+            nonfinite_values = torch.tensor([float("nan"), float("inf")], dtype=g.dtype)
+            g[torch.randint(0, g.numel(), (2,), generator=gen)] = nonfinite_values
     before = [p.clone() for p in params]
     steps = [torch.tensor(3.0) for _ in sizes]
     qmaps = codebooks(kinds)
@@ -91,14 +95,15 @@ def test_cuda_step_matches_cpu(algorithm, seed, sizes, dtype, misalign, nonfinit
         for k in range(len(stacks)):
             assert_bitwise(gs[k][i].cpu(), states[k][i], f"state{k + 1}[{i}] (n={sizes[i]})")
             assert_bitwise(ga[k][i].cpu(), absmax[k][i], f"absmax{k + 1}[{i}] (n={sizes[i]})")
-        check_params(gp[i], params[i], before[i], dtype, f"params[{i}] (n={sizes[i]})")
+        check_params(gp[i], params[i], before[i], params[i].dtype, f"params[{i}] (n={sizes[i]})")
 
 
 def test_cuda_found_inf_changes_nothing():
     stacks, kinds, hyper, _ = ALGORITHMS["adam"]
     gen = torch.Generator().manual_seed(4)
     params, grads, states, absmax = make_states(stacks, kinds, [300], gen, torch.float32)
-    gp, gs, ga = [p.cuda() for p in params], [[t.cuda() for t in k] for k in states], [[t.cuda() for t in k] for k in absmax]
+    gp = [p.cuda() for p in params]
+    gs, ga = [[t.cuda() for t in k] for k in states], [[t.cuda() for t in k] for k in absmax]
     _ops.quantized_step_("adam", gp, [g.cuda() for g in grads], gs, ga, [torch.tensor(1.0, device=CUDA)],
                          [q.cuda() for q in codebooks(kinds)], hyper, found_inf=torch.tensor(1.0, device=CUDA))
     assert torch.equal(gp[0].cpu(), params[0])

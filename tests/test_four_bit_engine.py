@@ -14,7 +14,6 @@ from pagedopt import _ops
 from pagedopt.quant import (dequantize_4bit_reference, dynamic_codebook, dynamic_codebook_4bit,
                             linear_codebook_4bit_no_zero, pack_4bit, quantize_4bit_reference, unpack_4bit)
 
-from reference import quantization_error_bound
 from reference_four_bit import (ALGORITHMS, BLOCK4, adam4bit_step_reference, blocks4, codebooks, packed,
                                 step_via_fp32)
 
@@ -39,7 +38,8 @@ def test_codebooks():
     assert (code[1:] > code[:-1]).all()
     assert code[0] == -1.0 and code[-1] == 1.0 and (code == 0).any()
     unsigned = dynamic_codebook_4bit(False)
-    assert unsigned.numel() == 16 and unsigned[0] == 0.0 and unsigned[-1] == 1.0 and (unsigned[1:] > unsigned[:-1]).all()
+    assert unsigned.numel() == 16 and unsigned[0] == 0.0 and unsigned[-1] == 1.0
+    assert (unsigned[1:] > unsigned[:-1]).all()
     v = linear_codebook_4bit_no_zero()
     assert torch.equal(v, torch.tensor([(i + 1) / 16 for i in range(16)]))
     assert not (v == 0).any()
@@ -109,10 +109,13 @@ def test_quantize_refusals(bad, message):
 
 
 # ----------------------------------------------------------------------------------- the step
-def make_states(stacks, kinds, sizes, gen, dtype):
-    """Random parameters, gradients (heavy-tailed) and populated 4-bit states (every nibble value)."""
-    params = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
-    grads = [(torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen))).to(dtype) for n in sizes]
+def make_states(stacks, kinds, sizes, gen, dtype, mixed=False):
+    """Random parameters, gradients (heavy-tailed) and populated 4-bit states (every nibble value);
+    `mixed`: tensor i's parameter in DTYPES[i % 3] instead of `dtype` (one call, several dtypes)."""
+    dtypes = [DTYPES[i % len(DTYPES)] if mixed else dtype for i in range(len(sizes))]
+    params = [torch.randn(n, generator=gen).to(d) for n, d in zip(sizes, dtypes)]
+    grads = [(torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen))).to(d)
+             for n, d in zip(sizes, dtypes)]
     states = [[torch.randint(0, 256, (s * packed(n),), generator=gen, dtype=torch.uint8) for n in sizes]
               for s in stacks]
     absmax = [[(torch.rand(s * blocks4(n), generator=gen) + 0.05) * (0.01 if kind == "v" else 0.1) for n in sizes]
@@ -127,22 +130,23 @@ def clone_lists(lists):
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 @given(seed=st.integers(0, 2**31), sizes=st.lists(st.integers(1, 700), min_size=1, max_size=3),
        dtype=st.sampled_from(DTYPES), step=st.integers(1, 30), nonfinite=st.booleans(),
-       grad_scale=st.sampled_from([None, 1024.0]), lr_tensor=st.booleans(), sr=st.booleans())
+       grad_scale=st.sampled_from([None, 1024.0]), lr_tensor=st.booleans(), sr=st.booleans(), mixed=st.booleans())
 @example(seed=1, sizes=[1, 127, 128, 129, 300], dtype=torch.float32, step=1, nonfinite=False, grad_scale=None,
-         lr_tensor=False, sr=False)
-@example(seed=2, sizes=[257, 3], dtype=torch.bfloat16, step=5, nonfinite=True, grad_scale=1024.0, lr_tensor=True,
-         sr=True)
+         lr_tensor=False, sr=False, mixed=False)
+@example(seed=2, sizes=[257, 3, 64], dtype=torch.bfloat16, step=5, nonfinite=True, grad_scale=1024.0, lr_tensor=True,
+         sr=True, mixed=True)
 def test_step_matches_reference_bit_for_bit(algorithm, seed, sizes, dtype, step, nonfinite, grad_scale, lr_tensor,
-                                            sr):
+                                            sr, mixed):
     """Every algorithm's 4-bit CPU step equals step_via_fp32 bit for bit (tolerance 0: the kernel and
     the reference perform the same float32 operations on the same values, see reference_four_bit.py):
     parameters, packed codes (padding nibbles included) and absmaxes."""
     stacks, kinds, hyper, takes_scales = ALGORITHMS[algorithm]
     gen = torch.Generator().manual_seed(seed)
-    params, grads, states, absmax = make_states(stacks, kinds, sizes, gen, dtype)
+    params, grads, states, absmax = make_states(stacks, kinds, sizes, gen, dtype, mixed)
     if nonfinite:
         for g in grads:
-            g[torch.randint(0, g.numel(), (2,), generator=gen)] = torch.tensor([float("nan"), float("inf")], dtype=dtype)
+            nonfinite_values = torch.tensor([float("nan"), float("inf")], dtype=g.dtype)
+            g[torch.randint(0, g.numel(), (2,), generator=gen)] = nonfinite_values
     qmaps = codebooks(kinds)
     steps = [torch.tensor(float(step)) for _ in sizes]
     kw = {}
