@@ -66,7 +66,7 @@ def _run(name: str, lr, steps: int = 3, capturable: bool = True, sgd_momentum=No
 
 
 def test_the_classes_are_all_here():
-    assert len(OPTIMIZERS) == 39 and "PagedAdamW8bit" in OPTIMIZERS and "LAMB32bit" in OPTIMIZERS
+    assert len(OPTIMIZERS) == 45 and "PagedAdamW8bit" in OPTIMIZERS and "LAMB32bit" in OPTIMIZERS and "PagedLion4bit" in OPTIMIZERS
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
