@@ -19,6 +19,9 @@
 #     (datasets 5.2.0, pandas, pyarrow, jinja2; peft's are transformers' and accelerate's);
 #   * lightning 2.6.6, for tests/test_lightning.py and the README's Lightning snippet.
 #     PAGEDOPT_TEST_LIGHTNING=0 skips it.
+#   * torchao 0.18.0 (--no-deps: torch stays as it is), for the tests that read torchao's
+#     AdamW8bit / AdamW4bit checkpoints (tests/test_four_bit_optim.py). PAGEDOPT_TEST_TORCHAO=0
+#     skips it.
 # The tests of each skip, naming the package, where it is missing.
 #
 # scripts/test_transformers457.sh then makes .venv-transformers457/ in the repository (a venv
@@ -62,6 +65,14 @@ if [ "${PAGEDOPT_TEST_LIGHTNING:-1}" != 0 ]; then
   if [ -n "$MISSING" ]; then
     say "installing lightning==$LIGHTNING_VERSION into $SITE"
     "$PY" -m pip install -q "lightning==$LIGHTNING_VERSION"
+  fi
+fi
+if [ "${PAGEDOPT_TEST_TORCHAO:-1}" != 0 ]; then
+  TORCHAO_VERSION=${TORCHAO_VERSION:-0.18.0}
+  MISSING=$("$PY" scripts/missing_packages.py "torchao==$TORCHAO_VERSION")
+  if [ -n "$MISSING" ]; then
+    say "installing torchao==$TORCHAO_VERSION (without requirements: torch stays as it is) into $SITE"
+    "$PY" -m pip install -q --no-deps "torchao==$TORCHAO_VERSION"
   fi
 fi
 if [ "${PAGEDOPT_TEST_DEEPSPEED:-1}" != 0 ]; then

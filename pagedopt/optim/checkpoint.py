@@ -98,6 +98,23 @@ def _check_qmap(t: torch.Tensor, key: str, where: str) -> None:
         raise refuse(f"{where} {key!r} must be sorted in strictly increasing order")
 
 
+def _plain_moment(v: torch.Tensor, key: str, where: str) -> torch.Tensor:
+    """A moment as a plain tensor: torchao's quantized optimizer states (AdamW8bit / AdamW4bit's
+    OptimState8bit / OptimState4bit, tensor subclasses) dequantized by their ``dequantize()``."""
+    if type(v) is torch.Tensor or isinstance(v, torch.nn.Parameter):
+        return v
+    dequantize = getattr(v, "dequantize", None)
+    if dequantize is None:
+        raise refuse(f"{where} {key!r} is a {type(v).__name__}, a tensor subclass without dequantize()")
+    try:
+        plain = dequantize()
+    except Exception as exc:  # noqa: BLE001  (its own failure, named)
+        raise refuse(f"{where} {key!r}: {type(v).__name__}.dequantize() failed ({exc})") from None
+    if not isinstance(plain, torch.Tensor) or type(plain) is not torch.Tensor:
+        raise refuse(f"{where} {key!r}: {type(v).__name__}.dequantize() gave no plain tensor")
+    return plain.reshape(v.shape)
+
+
 def _unnest(saved: Mapping, where: str) -> dict:
     """The flat form of a parameter's state (bitsandbytes >= 0.49.2 nests its tensors)."""
     flat = {k: v for k, v in saved.items() if k != BNB_NESTED_KEY}
@@ -127,8 +144,9 @@ def read_param_state(saved: Any, p: torch.Tensor, where: str, spec: "AlgorithmSp
     if spec.name == "adam" and any(k in state for k in TORCH_MOMENT_KEYS):
         if any(k in state for k in MOMENT_KEYS):
             raise refuse(f"{where} mixes torch keys ('exp_avg') with pagedopt keys ('state1')")
-        # torch keeps the moments in the parameter's dtype; they become float32 here
-        floats = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        # torch keeps the moments in the parameter's dtype; they become float32 here (torchao's
+        # low-bit states, tensor subclasses, through their own dequantize())
+        floats = {k: _plain_moment(v, k, where).float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                   for k, v in state.items() if k in TORCH_MOMENT_KEYS}
         for k in TORCH_MOMENT_KEYS:
             out[k] = _tensor(floats, k, where, torch.float32, p.shape)
