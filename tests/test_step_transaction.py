@@ -204,3 +204,105 @@ def test_out_of_memory_for_the_device_buffer_changes_nothing(monkeypatch):
     ref.step()
     for a, b in zip(ref_params, params):
         assert torch.equal(a, b)
+
+
+# (class, kwargs, parameter dtype, non-contiguous): the steps that allocate temporaries: torch's
+# fused 32-bit kernel on fp32 copies of bf16 parameters, contiguous copies of a transposed
+# parameter, plain SGD's fp32 values, a norm pass
+TEMPORARIES = [
+    (pagedopt.AdamW32bit, {}, torch.bfloat16, False),
+    (pagedopt.AdamW8bit, {}, torch.float32, True),
+    (pagedopt.SGD, {"lr": 0.01, "momentum": 0.0}, torch.float32, False),
+    (pagedopt.LAMB8bit, {}, torch.float32, True),
+    (pagedopt.PagedAdamW4bit, {}, torch.float32, True),
+]
+
+
+def _temporaries_case(cls, kwargs, dtype, transposed, seed):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(64, 80, generator=g).to(dtype), torch.randn(5000, generator=g).to(dtype)]
+    if transposed:
+        params[0] = params[0].t()
+    params = [p.requires_grad_(True) for p in params]
+    return params, cls(params, **{"lr": 1e-2, "min_8bit_size": 1024, **kwargs})
+
+
+@pytest.mark.filterwarnings("ignore::pagedopt.paging.PagingFallbackWarning")
+@pytest.mark.parametrize("cls,kwargs,dtype,transposed", TEMPORARIES, ids=[c.__name__ for c, *_ in TEMPORARIES])
+def test_out_of_memory_for_a_steps_temporaries_changes_nothing(cls, kwargs, dtype, transposed, monkeypatch):
+    """A step that allocates temporaries makes sure of their memory (kernels.reserve_workspace)
+    before any counter, state or parameter changes: out of memory there raises and changes
+    nothing, and the repeated step is bit for bit the uninterrupted one. The second step (states
+    made) fails; on the CPU the reservation is where a GPU's would run out."""
+    from pagedopt.optim import kernels
+
+    def grads(params, step):
+        gen = torch.Generator().manual_seed(1000 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+    ref_params, ref = _temporaries_case(cls, kwargs, dtype, transposed, 0)
+    params, opt = _temporaries_case(cls, kwargs, dtype, transposed, 0)
+    for s in range(3):
+        grads(ref_params, s)
+        ref.step()
+    grads(params, 0)
+    opt.step()
+    asked = []
+    real = kernels.reserve_workspace
+
+    def fail(device, nbytes):
+        asked.append(nbytes)
+        if nbytes > 0:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+        real(device, nbytes)
+
+    monkeypatch.setattr(kernels, "reserve_workspace", fail)
+    grads(params, 1)
+    before = _snapshot(opt, params)
+    with pytest.raises(torch.OutOfMemoryError):
+        opt.step()
+    assert max(asked) > 0
+    after = _snapshot(opt, params)
+    for a, b in zip(before[0], after[0]):
+        assert torch.equal(a, b)
+    for i in before[1]:
+        for k, v in before[1][i].items():
+            assert (torch.equal(v, after[1][i][k]) if isinstance(v, torch.Tensor) else v == after[1][i][k]), (i, k)
+    monkeypatch.setattr(kernels, "reserve_workspace", real)
+    opt.step()
+    grads(params, 2)
+    opt.step()
+    for p, q in zip(ref_params, params):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cls,kwargs,dtype,transposed", TEMPORARIES, ids=[c.__name__ for c, *_ in TEMPORARIES])
+def test_a_steps_temporaries_fit_the_reserved_workspace(cls, kwargs, dtype, transposed):
+    """On the GPU, what a step allocates beyond what was allocated before it is never more than
+    the workspace it reserved (the reservation itself is such an allocation): an estimate below the
+    real temporaries would let a step run out of memory after its counters moved."""
+    from pagedopt.optim import kernels
+
+    params, opt = _temporaries_case(cls, kwargs, dtype, transposed, 0)
+    params = [torch.nn.Parameter(p.detach().cuda()) if not transposed or i else
+              torch.nn.Parameter(p.detach().t().contiguous().cuda().t()) for i, p in enumerate(params)]
+    opt = cls(params, **{"lr": 1e-2, "min_8bit_size": 1024, **kwargs})
+    reserved = []
+    real = kernels.reserve_workspace
+    kernels.reserve_workspace = lambda device, nbytes: (reserved.append(nbytes), real(device, nbytes))[1]
+    try:
+        for s in range(2):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            opt.step()
+            torch.cuda.synchronize()
+            if s == 1:  # states made in the first step
+                # + 512 bytes a tensor: the caching allocator's rounding of each small temporary
+                assert torch.cuda.max_memory_allocated() - base <= max(reserved[-1:] or [0]) + 512 * 8
+    finally:
+        kernels.reserve_workspace = real

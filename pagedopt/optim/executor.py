@@ -10,7 +10,7 @@ thread). None of them has a loop of its own over kernels.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from .. import _ops
 from . import kernels, residency
@@ -20,15 +20,19 @@ from .sharding import is_dtensor
 from .step_counters import add_to_counters, subtract_from_counters
 
 
-def count_and_step(pager, plan: StepPlan, step_bucket: Callable, grad_scale, found_inf, begin: bool = True) -> None:
-    """What every step does around its buckets: a streaming pager's device buffers allocated (so
-    that running out of memory there leaves everything as it was), step counters + 1, the pager
-    told that a step begins (``begin``; not when updates during backward already told it),
-    ``step_bucket(i, bucket, grad_scale, found_inf)`` per bucket with GradScaler's tensors on the
-    bucket's device, then counters - found_inf."""
+def count_and_step(pager, plan: StepPlan, step_bucket: Callable, grad_scale, found_inf, begin: bool = True,
+                   workspace: Optional[dict] = None) -> None:
+    """What every step does around its buckets: a streaming pager's device buffers allocated and
+    ``workspace`` (device -> bytes of the step's temporaries) made sure of (so that running out of
+    memory there leaves everything as it was), step counters + 1, the pager told that a step begins
+    (``begin``; not when updates during backward already told it), ``step_bucket(i, bucket,
+    grad_scale, found_inf)`` per bucket with GradScaler's tensors on the bucket's device, then
+    counters - found_inf."""
     if residency.streams_now(pager):  # the device buffers first: out of memory there changes nothing
         for device in plan.steps_by_device:
             pager.reserve(device)
+    for device, nbytes in (workspace or {}).items():
+        kernels.reserve_workspace(device, nbytes)
     for steps in plan.steps_by_device.values():
         add_to_counters(steps, 1.0)
     if pager is not None and begin:
@@ -47,12 +51,26 @@ def run(spec: AlgorithmSpec, pager, param_groups: list[dict], plan: StepPlan, wo
     """The ordinary step of ``plan``: ``work_params``/``work_grads`` are step()'s parameters with
     gradients (local shards of DTensor parameters), in the plan's order, all checked (``begin``:
     see count_and_step)."""
-    def one_bucket(i, bucket, scale, inf):
+    def inputs(bucket):
         grads = [work_grads[k] for k in bucket.index]
-        params = [work_params[k] for k in bucket.index] if plan.sharded else bucket.params
+        return ([work_params[k] for k in bucket.index] if plan.sharded else bucket.params), grads
+
+    def one_bucket(i, bucket, scale, inf):
+        params, grads = inputs(bucket)
         step_bucket(spec, pager, group_of(param_groups, bucket), bucket, params, grads, contiguous, scale, inf)
 
-    count_and_step(pager, plan, one_bucket, grad_scale, found_inf, begin)
+    workspace: dict = {}
+    for bucket in plan.buckets:
+        nbytes = kernels.workspace_bytes(spec, bucket, group_of(param_groups, bucket), *inputs(bucket), contiguous,
+                                         runs_held(bucket, contiguous, pager))
+        workspace[bucket.device] = max(workspace.get(bucket.device, 0), nbytes)
+    count_and_step(pager, plan, one_bucket, grad_scale, found_inf, begin, workspace)
+
+
+def runs_held(bucket: Bucket, contiguous: bool, pager) -> bool:
+    """Whether the bucket is updated by one call on the states it holds in C++ (resident states,
+    contiguous parameters)."""
+    return bucket.held is not None and contiguous and residency.all_resident(pager)
 
 
 def step_bucket(spec: AlgorithmSpec, pager, group: dict, bucket: Bucket, params, grads, contiguous: bool,
@@ -62,7 +80,7 @@ def step_bucket(spec: AlgorithmSpec, pager, group: dict, bucket: Bucket, params,
     if bucket.kernel == STATELESS:
         kernels.plain_sgd(group, params, grads, grad_scale, found_inf, bucket)
         return
-    if bucket.held is not None and contiguous and residency.all_resident(pager):
+    if runs_held(bucket, contiguous, pager):
         hyper, lr = kernels.hyper_and_lr(spec, group, bucket.device)
         _ops.quantized_step_list_(bucket.held, params, grads, hyper, grad_scale, found_inf, lr,
                                   kernels.sr_seed(group, bucket))

@@ -44,6 +44,39 @@ FP32_COPY_NUMEL = 8 << 20
 FP32_COPY_ALIGN = 1024
 
 
+def workspace_bytes(spec: AlgorithmSpec, bucket: Bucket, group: dict, params: list, grads: list,
+                    contiguous: bool, held_step: bool) -> int:
+    """At most how many bytes of temporaries the bucket's update allocates at once (its chunks run
+    one after the other, each freeing its temporaries): contiguous copies of its non-contiguous
+    parameters and gradients, fp32 copies of a run of 16-bit ones for torch's fused kernel, plain
+    SGD's fp32 temporaries of its largest parameter, the norm pass's sums. ``held_step``: the
+    bucket is one call on states held in C++ (nothing allocated). The executor makes sure this
+    much is free before any counter moves (reserve_workspace)."""
+    if held_step or not params:
+        return 0
+    if bucket.kernel == "stateless":  # g32, p32 and the new value of one parameter at a time
+        return 3 * 4 * max(p.numel() for p in params)
+    total = sum(t.numel() * t.element_size() for pair in zip(params, grads) for t in pair
+                if not contiguous and not t.is_contiguous())
+    if bucket.kernel == "fused32" and params[0].dtype != torch.float32 and sr_seed(group, bucket) is None:
+        total += 2 * 4 * min(FP32_COPY_NUMEL, sum(p.numel() for p in params))
+    if spec.norm_scaled:
+        total += 24 * len(params)
+    return total
+
+
+def reserve_workspace(device: torch.device, nbytes: int) -> None:
+    """Have ``nbytes`` free for a step's temporaries before anything changes: on CUDA one
+    allocation of that size, freed at once into the caching allocator, which hands the same memory
+    to the step's temporaries (freed blocks are reused before new memory is asked for); running
+    out of memory here raises torch.OutOfMemoryError while every counter, state and parameter is
+    still as it was. Nothing on the CPU (no allocator to hold memory for later)."""
+    if nbytes <= 0 or device.type != "cuda":
+        return
+    probe = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    del probe
+
+
 def lr_tensor(group: dict, device: torch.device) -> Optional[torch.Tensor]:
     """The group's lr when the kernels can read it on ``device`` (a tensor there), else None (a
     float lr, or a tensor elsewhere, which the step reads on the host)."""
