@@ -18,6 +18,18 @@ each state against fp32, per layer type, median and 90th percentile over steps.
 Each row runs in a process of its own (a library's state cannot touch another's figures); a row whose
 package or class is missing is skipped with the reason. Writes quality.json, row_<name>.json,
 quality.png and prints the tables.
+
+Sizing. The interval's half-width is t(0.975, n-1) * sd_d / sqrt(n): +-0.05% needs sd_d <= 0.079%
+over 12 seeds, 0.094% over 16, 0.118% over 24. Pairing removes the init and data spread between
+seeds (the issue's +-0.3%); what is left is how far two runs that differ by small per-step errors
+drift apart by the end, and the format's own effect where it varies by seed. The noise floor of the
+method is the paired d of a row that differs from fp32 by a negligible change (row fp32_nudged,
+beta2 0.999001). The table says, per row, how many seeds its measured sd_d would need. The defaults
+(4 layers x 256, vocab 1024, batch 32 x 128, 600 steps, cosine to 0, 12 seeds) were sized from the
+CPU pilots in bench/RESULTS.md and a FLOP count (~1e11 per step, ~5 ms on an H100 in fp32 without
+TF32): about 3.5 s a run, 45 s a row of 12 seeds plus its fidelity run, ~10 s to start each process,
+plus torch.compile for each torchao row: about 7-8 minutes for the six rows with --jobs 1, less with
+--jobs 2 (the small model leaves the GPU idle between launches). Not yet measured on a GPU.
 """
 from __future__ import annotations
 
@@ -48,12 +60,25 @@ DEFAULT_SEEDS = 12
 
 
 # --------------------------------------------------------------------------- data files
+def _write_seed(cfg: Q.Config, seed: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    torch.save(Q.train_tokens(cfg, seed).to(torch.int16), os.path.join(folder, f"train_{seed}.pt"))
+
+
 def write_data(cfg: Q.Config, seeds: list[int], folder: str) -> None:
-    """Each seed's batches and the held-out set, as int16 tensors (the children load them)."""
-    lang = Q.language(cfg)
-    torch.save(Q.eval_tokens(cfg, lang).to(torch.int16), os.path.join(folder, "eval.pt"))
-    for s in seeds:
-        torch.save(Q.train_tokens(cfg, s, lang).to(torch.int16), os.path.join(folder, f"train_{s}.pt"))
+    """Each seed's batches and the held-out set, as int16 tensors (the children load them); the seeds
+    are made in parallel, a process each, on half the cores (the sampler is a loop over positions)."""
+    torch.save(Q.eval_tokens(cfg).to(torch.int16), os.path.join(folder, "eval.pt"))
+    workers = min(len(seeds), max(1, (os.cpu_count() or 2) // 2))
+    if workers == 1:
+        for s in seeds:
+            _write_seed(cfg, s, folder)
+        return
+    import concurrent.futures
+    import multiprocessing
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for f in [pool.submit(_write_seed, cfg, s, folder) for s in seeds]:
+            f.result()
 
 
 def read_tokens(folder: str, name: str) -> torch.Tensor:

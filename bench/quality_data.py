@@ -5,10 +5,13 @@ Each next token is drawn from a mixture of three sources, like an interpolated n
 
 * a unigram distribution over the vocabulary, Zipf-Mandelbrot shaped (p(rank k) ~ (k + 2.7)^-1.1,
   as for words of natural text): the "backoff" part, irreducible entropy;
-* a bigram table: each token has ``branch`` successors drawn from that unigram (frequent tokens are
-  frequent successors), with Zipf-shaped weights over them;
+* a class bigram: every token belongs to one of ``classes`` word classes (drawn at random), and each
+  class has ``branch`` successors drawn from that unigram (frequent tokens are frequent successors),
+  with Zipf-shaped weights over them: low-rank structure, as parts of speech give real text, which a
+  small model learns within a few hundred steps;
 * a trigram table over hashed contexts (the two previous tokens, hashed into ``buckets``): the same
-  construction, so a model that attends two tokens back predicts better than one that does not.
+  construction per context, so a model that attends two tokens back predicts better than one that
+  does not, and a long tail of contexts to memorize keeps the loss falling.
 
 Tokens 0 and 1 of a sequence start with the unigram. The source knows the true probability of every
 token it emits, so its entropy rate (the loss of the Bayes predictor) is measured on the same tokens
@@ -24,9 +27,10 @@ import torch
 @dataclasses.dataclass(frozen=True)
 class LanguageSpec:
     vocab: int = 1024
-    branch: int = 12        # successors per bigram row / trigram bucket
-    buckets: int = 8192     # hashed two-token contexts
-    mix: tuple = (0.15, 0.35, 0.50)  # unigram, bigram, trigram weights
+    branch: int = 16        # successors per class / trigram bucket
+    classes: int = 64       # word classes of the bigram part
+    buckets: int = 4096     # hashed two-token contexts
+    mix: tuple = (0.1, 0.6, 0.3)  # unigram, class bigram, trigram weights
     zipf_s: float = 1.1
     seed: int = 0           # the language itself (fixed across the runs' seeds)
 
@@ -56,7 +60,8 @@ class Language:
             w = w * torch.exp(0.3 * torch.randn(rows, k, generator=g, dtype=torch.float64))
             return succ, w / w.sum(dim=1, keepdim=True)
 
-        self.bi_next, self.bi_prob = table(v)
+        self.token_class = torch.randint(0, spec.classes, (v,), generator=g)
+        self.bi_next, self.bi_prob = table(spec.classes)
         self.tri_next, self.tri_prob = table(spec.buckets)
         self.mix = torch.tensor(spec.mix, dtype=torch.float64)
         self.mix = self.mix / self.mix.sum()
@@ -80,11 +85,12 @@ class Language:
         out[:, 1] = self._draw(self._uni_cdf, u[1, 1]).squeeze(1)
         for t in range(2, length):
             a, b = out[:, t - 2], out[:, t - 1]
+            c = self.token_class[b]
             which = torch.searchsorted(self._mix_cdf, u[t, 0]).squeeze(1)
             h = self.bucket(a, b)
-            cdf = torch.where((which == 1)[:, None], self._bi_cdf[b], self._tri_cdf[h])
+            cdf = torch.where((which == 1)[:, None], self._bi_cdf[c], self._tri_cdf[h])
             k = self._draw(cdf, u[t, 1]).squeeze(1)
-            nxt = torch.where(which == 1, self.bi_next[b].gather(1, k[:, None]).squeeze(1),
+            nxt = torch.where(which == 1, self.bi_next[c].gather(1, k[:, None]).squeeze(1),
                               self.tri_next[h].gather(1, k[:, None]).squeeze(1))
             uni = self._draw(self._uni_cdf, u[t, 1]).squeeze(1)
             out[:, t] = torch.where(which == 0, uni, nxt)
@@ -97,7 +103,8 @@ class Language:
 
     def prob(self, prev2: torch.Tensor, prev1: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """p(x | prev2, prev1) of the source at positions 2.. (float64, elementwise)."""
-        bi = ((self.bi_next[prev1] == x[..., None]) * self.bi_prob[prev1]).sum(-1)
+        c = self.token_class[prev1]
+        bi = ((self.bi_next[c] == x[..., None]) * self.bi_prob[c]).sum(-1)
         h = self.bucket(prev2, prev1)
         tri = ((self.tri_next[h] == x[..., None]) * self.tri_prob[h]).sum(-1)
         return self.mix[0] * self.unigram[x] + self.mix[1] * bi + self.mix[2] * tri

@@ -196,7 +196,8 @@ def plot(doc: dict, path: str) -> Optional[str]:
     rows = [r for r in doc["rows"] if not r.get("skipped") and r["name"] != "fp32"]
     if not rows:
         return None
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 1.5 + 0.6 * len(rows)))
+    fig, axes = plt.subplots(2, 2, figsize=(13, 6 + 0.5 * len(rows)))
+    a = axes[0][0]
     ys = list(range(len(rows)))
     for y, r in zip(ys, rows):
         t = r["summary"]["tail"]
@@ -205,26 +206,32 @@ def plot(doc: dict, path: str) -> Optional[str]:
             continue
         a.errorbar(100 * t["mean"], y, xerr=None if t["half_width"] is None else 100 * t["half_width"], fmt="o",
                    color=c, capsize=4)
-        for s, d in r["summary"]["d_tail"].items():
-            a.plot(100 * d, y + 0.2, ".", color=c, alpha=0.4, ms=4)
+        for d in r["summary"]["d_tail"].values():
+            a.plot(100 * d, y + 0.15, ".", color=c, alpha=0.4, ms=4)
     a.axvline(0, color="k", lw=0.8)
     for x, style in ((0.10, ":"), (0.30, "--")):
         a.axvline(x, color="#999999", ls=style, lw=0.8)
     a.set_yticks(ys, [r["name"] for r in rows])
-    a.invert_yaxis()
-    a.set_xlabel("paired held-out loss difference vs fp32 AdamW (%), mean and 95% t-interval; dots: seeds")
+    a.set_ylim(len(rows) - 0.5, -0.5)
+    a.set_xlabel("paired held-out loss difference vs fp32 (%): mean, 95% t-interval; dots: seeds", fontsize=8)
     kinds = [k for k in ("embedding", "attn_qkv", "attn_out", "mlp") if any(
         k in (r.get("fidelity") or {}).get("by_type", {}) for r in rows)]
     width = 0.8 / max(1, len(rows))
-    for i, r in enumerate(rows):
-        by = (r.get("fidelity") or {}).get("by_type", {})
-        vals = [(by.get(k, {}).get("update") or {}).get("median") or 0 for k in kinds]
-        b.bar([j + i * width for j in range(len(kinds))], vals, width, label=r["name"],
-              color=colors.get(r.get("family"), "#999999"), alpha=0.5 + 0.5 * (r.get("bits", 8) == 8))
-    b.set_xticks([j + 0.4 - width / 2 for j in range(len(kinds))], kinds)
-    b.set_yscale("log")
-    b.set_ylabel("update relative error vs fp32, median over steps")
-    b.legend(fontsize="small")
+    for ax, key, what in ((axes[0][1], "update", "update"), (axes[1][0], "exp_avg", "exp_avg (m)"),
+                          (axes[1][1], "exp_avg_sq", "exp_avg_sq (v)")):
+        for i, r in enumerate(rows):
+            by = (r.get("fidelity") or {}).get("by_type", {})
+            vals = [(by.get(k, {}).get(key) or {}).get("median") for k in kinds]
+            ax.bar([j + i * width for j in range(len(kinds))], [v if v else float("nan") for v in vals], width,
+                   label=r["name"], color=colors.get(r.get("family"), "#999999"),
+                   alpha=1.0 if r.get("bits", 8) == 8 else 0.55, hatch=None if r.get("bits", 8) == 8 else "//")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(kinds))], kinds)
+        if any(((r.get("fidelity") or {}).get("by_type", {}).get(k, {}).get(key) or {}).get("median")
+               for r in rows for k in kinds):
+            ax.set_yscale("log")
+        ax.set_ylabel(f"{what} rel. error vs fp32", fontsize=8)
+        ax.set_title(f"teacher forcing: {what}, median over steps", fontsize=9)
+        ax.legend(fontsize="x-small")
     env = doc.get("env", {})
     fig.suptitle(f"optimizer state formats: {env.get('device_name', '?')}, {doc['config']['layers']} layers x "
                  f"{doc['config']['width']}, {doc['config']['steps']} steps, {env.get('date', '')[:10]}", fontsize=10)

@@ -153,8 +153,13 @@ def evaluate(model: nn.Module, tokens: torch.Tensor, vocab: int, chunk: int = 64
 
 
 def _set_lr(opt, lr: float) -> None:
+    """The schedule's lr into every group: in place where the optimizer keeps lr as a tensor (torchao
+    does, so that a new value does not recompile its step)."""
     for g in opt.param_groups:
-        g["lr"] = lr
+        if isinstance(g["lr"], torch.Tensor):
+            g["lr"].fill_(lr)
+        else:
+            g["lr"] = lr
 
 
 # --------------------------------------------------------------------------- convergence

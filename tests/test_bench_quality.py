@@ -215,6 +215,24 @@ def test_fidelity_of_the_reference_is_zero_and_8bit_is_bounded():
     assert no_reader["by_type"]["mlp"]["update"]["median"] == q["by_type"]["mlp"]["update"]["median"]
 
 
+def test_teacher_forcing_resets_the_parameters_before_each_step():
+    """A row that is AdamW with maximize=True sees the negated gradients: its m is -m_ref and its v is
+    v_ref (errors exactly 2 and 0), and its update is -wd lr p + lr r where fp32's is -wd lr p - lr r
+    (r = m_hat / (sqrt(v_hat) + eps)): an update error of 2 / (1 +- x), x = wd |p| / |r|, at every step,
+    only if each step starts from the reference's parameters (left to drift, the row's earlier updates
+    would add to each later one). |r| >~ 0.3: for matrices (|p| ~ 0.02) x < 1e-3, within 1%; for norm
+    weights (|p| ~ 1) x < 0.035, within 5%."""
+    def make(params, lr=1e-3):
+        return torch.optim.AdamW(params, lr=lr, maximize=True, **R.HYPER)
+
+    fid = Q.fidelity(make, R.read_torch, Q.SMOKE, Q.train_tokens(Q.SMOKE, 0), "cpu")
+    for kind, m in fid["by_type"].items():
+        assert all(x == pytest.approx(2.0, rel=1e-6) for x in m["exp_avg"]["series"]), (kind, m["exp_avg"])
+        assert m["exp_avg_sq"]["series"] == [0.0] * 4, kind
+        tol = 0.1 if kind == "small" else 0.02
+        assert all(abs(x - 2) < tol for x in m["update"]["series"]), (kind, m["update"])
+
+
 def test_runs_of_a_seed_see_the_same_init_and_batches():
     cfg = Q.SMOKE
     tokens, held = Q.train_tokens(cfg, 1), Q.eval_tokens(cfg)
