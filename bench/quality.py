@@ -28,8 +28,9 @@ beta2 0.999001). The table says, per row, how many seeds its measured sd_d would
 (4 layers x 256, vocab 1024, batch 32 x 128, 600 steps, cosine to 0, 12 seeds) were sized from the
 CPU pilots in bench/RESULTS.md and a FLOP count (~1e11 per step, ~5 ms on an H100 in fp32 without
 TF32): about 3.5 s a run, 45 s a row of 12 seeds plus its fidelity run, ~10 s to start each process,
-plus torch.compile for each torchao row: about 7-8 minutes for the six rows with --jobs 1, less with
---jobs 2 (the small model leaves the GPU idle between launches). Not yet measured on a GPU.
+plus torch.compile for each torchao row: about 8 minutes for the seven default rows with --jobs 1,
+about half with --jobs 2 (the small model leaves the GPU idle between launches). Not yet measured on
+a GPU; the CPU pilots found a noise floor of ~0.3% at their small size, see bench/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -296,6 +297,11 @@ def print_report(doc: dict) -> None:
     if det:
         print("determinism: fp32 AdamW's first seed in two processes: " + (
             "identical" if det.get("identical") else f"DIFFERS (max |d| {det.get('max_abs_d')}, {det.get('skipped')})"))
+    floor = next((r for r in doc["rows"] if r["name"] == "fp32_nudged" and "summary" in r), None)
+    if floor and floor["summary"]["tail"]["sd"] is not None:
+        sd = floor["summary"]["tail"]["sd"]
+        print(f"noise floor (fp32_nudged, beta2 0.999001): sd of d over seeds {100 * sd:.3f}%: "
+              f"~{S.seeds_needed(sd, doc['target'])} seeds resolve +-{100 * doc['target']:.2f}% at that spread")
     print("\npaired d = (L_row - L_fp32) / L_fp32, held-out; tail = mean of the last evals; +-95% = t-interval")
     print(C.table(S.result_table(doc["rows"]), S.TABLE_HEADERS))
     fid = [line for r in doc["rows"] for line in S.fidelity_lines(r["name"], r.get("fidelity"))]

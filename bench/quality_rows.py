@@ -134,5 +134,5 @@ ROWS = {r.name: r for r in (
     Row("pagedopt_32bit", "pagedopt:AdamW32bit", read_blockwise, "pagedopt", 32),
     Row("fp32_nudged", "torch.optim:AdamW", read_torch, "torch", 32, kwargs=(("betas", (0.9, 0.999001)),)),
 )}
-DEFAULT_ROWS = ("fp32", "pagedopt_8bit", "pagedopt_4bit", "bnb_8bit", "torchao_8bit", "torchao_4bit")
+DEFAULT_ROWS = ("fp32", "fp32_nudged", "pagedopt_8bit", "pagedopt_4bit", "bnb_8bit", "torchao_8bit", "torchao_4bit")
 SMOKE_ROWS = ("fp32", "pagedopt_8bit")
