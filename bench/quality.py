@@ -308,6 +308,9 @@ def print_report(doc: dict) -> None:
     if fid:
         print("\nfidelity (teacher forcing, seed 0): relative error vs fp32 AdamW, median and p90 over steps")
         print(C.table(fid, S.FID_HEADERS))
+        for r in doc["rows"]:
+            if (r.get("fidelity") or {}).get("state_reader_error"):
+                print(f"  {r['name']}: states not read ({r['fidelity']['state_reader_error']}); update error only")
     print("\ngoals (issue 30):")
     for g in doc["goals"]:
         mark = {True: "met", False: "NOT MET", None: "not measured"}[g["met"]]

@@ -47,10 +47,10 @@ def _block_size(n: int, blocks: int) -> int:
 
 
 def unpack_4bit(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Two 4-bit codes a byte, element 2i in the high nibble and 2i+1 in the low one (bitsandbytes'
-    packing order), to n codes."""
+    """Two 4-bit codes a byte, element 2i in the low nibble and 2i+1 in the high one (pagedopt's 4-bit
+    layout, csrc/include/pagedopt/four_bit.h), to n codes."""
     flat = packed.reshape(-1).to(torch.uint8)
-    codes = torch.stack([flat >> 4, flat & 15], dim=1).reshape(-1)
+    codes = torch.stack([flat & 15, flat >> 4], dim=1).reshape(-1)
     return codes[:n]
 
 

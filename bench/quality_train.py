@@ -213,6 +213,7 @@ def fidelity(make: Callable, read_states: Optional[Callable], cfg: Config, token
     opt = make(mine)
     kinds = [layer_type(n, p) for n, p in named]
     series: dict = {k: {"update": [], "exp_avg": [], "exp_avg_sq": []} for k in sorted(set(kinds))}
+    reader_error = None
     peaks: dict = {k: [] for k in series}  # largest |update| / lr of the row and of fp32 at each measured step
     steps_seen = []
     for step in range(steps):
@@ -240,7 +241,13 @@ def fidelity(make: Callable, read_states: Optional[Callable], cfg: Config, token
                 _add(acc[kind]["update"], u_row - u_ref, u_ref)
                 peak[kind] = [torch.maximum(peak[kind][0], u_row.abs().max()),
                               torch.maximum(peak[kind][1], u_ref.abs().max())]
-                got = read_states(opt, q) if read_states is not None else None
+                got = None
+                if read_states is not None:
+                    try:
+                        got = read_states(opt, q)
+                    except Exception as exc:  # noqa: BLE001 - a layout this reader does not know: update error only
+                        reader_error = f"{name}: {C.short_error(exc)}"
+                        read_states = None
                 want = ROWS["fp32"].read_states(ref, p)
                 for i, key in enumerate(("exp_avg", "exp_avg_sq")):
                     if got is None or got[i] is None:
@@ -254,7 +261,7 @@ def fidelity(make: Callable, read_states: Optional[Callable], cfg: Config, token
         model.zero_grad(set_to_none=True)
         for q in mine:
             q.grad = None
-    out = {"steps": steps_seen, "by_type": {}}
+    out = {"steps": steps_seen, "by_type": {}, "state_reader_error": reader_error}
     for kind, metrics in series.items():
         out["by_type"][kind] = {key: summarize_series(vals) for key, vals in metrics.items()}
         out["by_type"][kind]["numel"] = sum(p.numel() for (_, p), k in zip(named, kinds) if k == kind)

@@ -137,7 +137,7 @@ def test_blockwise_reader_reads_one_step_of_adamw8bit():
 
 def test_unpack_4bit_and_block_sizes():
     codes = torch.tensor([1, 2, 3, 4, 5], dtype=torch.uint8)
-    packed = torch.tensor([0x12, 0x34, 0x50], dtype=torch.uint8)
+    packed = torch.tensor([0x21, 0x43, 0x05], dtype=torch.uint8)  # element 2i in the low nibble
     assert R.unpack_4bit(packed, 5).tolist() == codes.tolist()
     qmap = torch.linspace(-1, 1, 16)
     out = R.dequantize_blockwise(packed, torch.tensor([2.0, 10.0]), qmap, (5,))  # blocks of 4: 2 blocks
@@ -213,6 +213,13 @@ def test_fidelity_of_the_reference_is_zero_and_8bit_is_bounded():
     no_reader = Q.fidelity(R.ROWS["pagedopt_8bit"].make, None, Q.SMOKE, tokens, "cpu")
     assert no_reader["by_type"]["mlp"]["exp_avg"]["median"] is None
     assert no_reader["by_type"]["mlp"]["update"]["median"] == q["by_type"]["mlp"]["update"]["median"]
+
+    def unknown_layout(opt, p):
+        raise KeyError("state9")
+
+    bad = Q.fidelity(R.ROWS["pagedopt_8bit"].make, unknown_layout, Q.SMOKE, tokens, "cpu")
+    assert "state9" in bad["state_reader_error"] and bad["by_type"]["mlp"]["exp_avg"]["median"] is None
+    assert bad["by_type"]["mlp"]["update"]["median"] == q["by_type"]["mlp"]["update"]["median"]
 
 
 def test_teacher_forcing_resets_the_parameters_before_each_step():
