@@ -188,8 +188,8 @@ def parse_args(argv):
 
 def make_config(args) -> Q.Config:
     cfg = Q.SMOKE if args.smoke else Q.Config()
-    over = {k: getattr(args, k) for k in ("steps", "width", "layers", "batch", "seq", "vocab", "heads", "eval_seqs", "lr",
-                                          "fid_steps")
+    keys = ("steps", "width", "layers", "batch", "seq", "vocab", "heads", "eval_seqs", "lr", "fid_steps")
+    over = {k: getattr(args, k) for k in keys
             if getattr(args, k) is not None}
     return dataclasses.replace(cfg, **over)
 
@@ -244,10 +244,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"[quality] data: {n_seeds} seeds x {cfg.steps} steps x {cfg.batch} x {cfg.seq} tokens in {data_s:.1f} s;"
               f" the source's entropy on the held-out set {entropy:.4f} nats", flush=True)
         argv_base = ["--device", str(device), "--data", data, "--steps", str(cfg.steps), "--width", str(cfg.width),
-                     "--layers", str(cfg.layers), "--batch", str(cfg.batch), "--seq", str(cfg.seq), "--vocab", str(cfg.vocab),
-                     "--heads", str(cfg.heads), "--eval-seqs", str(cfg.eval_seqs), "--lr", repr(cfg.lr),
-                     "--threads", str(args.threads)]
-        argv_base += (["--smoke"] if args.smoke else []) + (["--fid-steps", str(cfg.fid_steps)] if cfg.fid_steps else [])
+                     "--layers", str(cfg.layers), "--batch", str(cfg.batch), "--seq", str(cfg.seq),
+                     "--vocab", str(cfg.vocab), "--heads", str(cfg.heads), "--eval-seqs", str(cfg.eval_seqs),
+                     "--lr", repr(cfg.lr), "--threads", str(args.threads)]
+        argv_base += ["--smoke"] if args.smoke else []
+        argv_base += ["--fid-steps", str(cfg.fid_steps)] if cfg.fid_steps else []
         records, jobs = {}, []
         for name in names:
             why = ROWS[name].missing(device)
