@@ -30,7 +30,8 @@ CPU pilots in bench/RESULTS.md and a FLOP count (~1e11 per step, ~5 ms on an H10
 TF32): about 3.5 s a run, 45 s a row of 12 seeds plus its fidelity run, ~10 s to start each process,
 plus torch.compile for each torchao row: about 8 minutes for the seven default rows with --jobs 1,
 about half with --jobs 2 (the small model leaves the GPU idle between launches). Not yet measured on
-a GPU; the CPU pilots found a noise floor of ~0.3% at their small size, see bench/RESULTS.md.
+a GPU. The CPU pilots (bench/RESULTS.md) found the floor at ~0.3-0.9% on a source that kept the
+model on a plateau for a seed-dependent time, and at 0.018% on the current source.
 """
 from __future__ import annotations
 
