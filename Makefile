@@ -23,7 +23,7 @@ test-transformers-457: setup-tests
 	PYTHON=$(PYTHON) bash scripts/test_transformers457.sh
 
 bench-smoke: setup-tests
-	$(PYTHON) -m pytest -q tests/test_bench_smoke.py
+	$(PYTHON) -m pytest -q tests/test_bench_smoke.py tests/test_bench_quality.py
 
 # Which units the last build compiled, and which a build would compile now
 build-status:

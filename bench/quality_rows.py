@@ -1,0 +1,138 @@
+"""The rows of bench/quality.py: one line each, name -> how to make the optimizer, how to read its
+two Adam states back as fp32 tensors (for the fidelity measure), and what it needs.
+
+A row's class is looked up by name when the row runs, so a missing package or class (bitsandbytes,
+torchao, a pagedopt class not built yet) skips that row with the reason instead of failing the run.
+Every row gets the same hyperparameters (quality_train.HYPER) and the library's other defaults
+(block size, minimum quantized size): the formats as users get them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable, Optional
+
+import torch
+
+HYPER = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)  # every row (lr is set each step)
+States = Optional[tuple]  # (exp_avg, exp_avg_sq) as fp32 tensors (either may be None), or None
+
+
+def lookup(path: str):
+    """``"pkg.mod:Attr"`` -> the attribute; ImportError / AttributeError say what is missing."""
+    mod, _, attr = path.partition(":")
+    obj = importlib.import_module(mod)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise AttributeError(f"{mod} has no {attr} (this build or version lacks it)")
+        obj = getattr(obj, part)
+    return obj
+
+
+# --------------------------------------------------------------------------- state readers
+def read_torch(opt, p) -> States:
+    """torch.optim.AdamW (and pagedopt's 32-bit states): exp_avg, exp_avg_sq."""
+    st = opt.state[p]
+    return st["exp_avg"].float(), st["exp_avg_sq"].float()
+
+
+def _block_size(n: int, blocks: int) -> int:
+    """The power-of-two block size that cuts n elements into ``blocks`` blocks."""
+    size = 1
+    while -(-n // size) > blocks:
+        size *= 2
+    if -(-n // size) != blocks:
+        raise ValueError(f"{n} elements do not make {blocks} blocks of a power-of-two size")
+    return size
+
+
+def unpack_4bit(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Two 4-bit codes a byte, element 2i in the low nibble and 2i+1 in the high one (pagedopt's 4-bit
+    layout, csrc/include/pagedopt/four_bit.h), to n codes."""
+    flat = packed.reshape(-1).to(torch.uint8)
+    codes = torch.stack([flat & 15, flat >> 4], dim=1).reshape(-1)
+    return codes[:n]
+
+
+def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor, shape) -> torch.Tensor:
+    """code[q] * absmax of q's block, for 8-bit codes (one per element) or packed 4-bit ones (16-entry
+    qmap, two a byte); the block size follows from the counts."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    flat = codes.reshape(-1)
+    if qmap.numel() == 16 and flat.numel() == -(-n // 2):
+        flat = unpack_4bit(flat, n)
+    elif flat.numel() != n:
+        raise ValueError(f"{flat.numel()} codes for {n} elements with a {qmap.numel()}-entry map")
+    bs = _block_size(n, absmax.numel())
+    idx = torch.arange(n, device=flat.device) // bs
+    return (qmap.float().to(flat.device)[flat.long()] * absmax.float().reshape(-1)[idx]).reshape(shape)
+
+
+def read_blockwise(opt, p) -> States:
+    """bitsandbytes' layout, which pagedopt keeps: state1/state2 codes with absmax1/2 and qmap1/2 where
+    the tensor is quantized, plain fp32 state1/state2 where it is not."""
+    st = opt.state[p]
+    out = []
+    for i in (1, 2):
+        s = st[f"state{i}"]
+        if s.dtype == torch.uint8:
+            out.append(dequantize_blockwise(s, st[f"absmax{i}"], st[f"qmap{i}"], p.shape))
+        else:
+            out.append(s.float())
+    return tuple(out)
+
+
+def read_torchao(opt, p) -> States:
+    """torchao's: exp_avg / exp_avg_sq are OptimState8bit / 4bit subclasses (``dequantize()``), or plain
+    tensors where the parameter is too small to quantize."""
+    st = opt.state[p]
+    out = []
+    for key in ("exp_avg", "exp_avg_sq"):
+        s = st[key]
+        s = s.dequantize() if hasattr(s, "dequantize") and type(s) is not torch.Tensor else s
+        out.append(s.float().reshape(p.shape))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- the rows
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    cls: str                          # "module:Class", looked up when the row runs
+    read_states: Optional[Callable]   # (opt, p) -> States; None: the update error only
+    family: str                       # colour in the plot
+    bits: int
+    cuda_only: bool = False
+    kwargs: tuple = ()                # extra constructor arguments, as (key, value) pairs
+
+    def make(self, params, lr: float = 1e-3):
+        return lookup(self.cls)(params, lr=lr, **{**HYPER, **dict(self.kwargs)})
+
+    def missing(self, device) -> Optional[str]:
+        """Why this row cannot run here (None: it can)."""
+        if self.cuda_only and torch.device(device).type != "cuda":
+            return "needs CUDA"
+        try:
+            lookup(self.cls)
+        except (ImportError, AttributeError) as exc:
+            return f"{self.cls.replace(':', '.')} not available: {type(exc).__name__}: {exc}"[:300]
+        return None
+
+
+ROWS = {r.name: r for r in (
+    Row("fp32", "torch.optim:AdamW", read_torch, "torch", 32),            # the reference of every pair
+    Row("pagedopt_8bit", "pagedopt:AdamW8bit", read_blockwise, "pagedopt", 8),
+    Row("pagedopt_4bit", "pagedopt:AdamW4bit", read_blockwise, "pagedopt", 4),
+    Row("bnb_8bit", "bitsandbytes.optim:AdamW8bit", read_blockwise, "bnb", 8, cuda_only=True),
+    Row("torchao_8bit", "torchao.optim:AdamW8bit", read_torchao, "torchao", 8),
+    Row("torchao_4bit", "torchao.optim:AdamW4bit", read_torchao, "torchao", 4),
+    # not in the default set: pagedopt's 32-bit states against torch's (the same math, other kernels),
+    # and the noise floor: fp32 AdamW with beta2 0.999001, a change of v by ~1e-4 relative, far
+    # below any format's, whose paired d is the divergence of two nearly equal trajectories alone
+    Row("pagedopt_32bit", "pagedopt:AdamW32bit", read_blockwise, "pagedopt", 32),
+    Row("fp32_nudged", "torch.optim:AdamW", read_torch, "torch", 32, kwargs=(("betas", (0.9, 0.999001)),)),
+)}
+DEFAULT_ROWS = ("fp32", "fp32_nudged", "pagedopt_8bit", "pagedopt_4bit", "bnb_8bit", "torchao_8bit", "torchao_4bit")
+SMOKE_ROWS = ("fp32", "pagedopt_8bit")
