@@ -25,9 +25,13 @@ HYPERS = {"Lion8bit": dict(lr=3e-3, betas=(0.9, 0.99), weight_decay=0.05),
           "AdEMAMix32bit": dict(lr=1e-2, betas=(0.9, 0.99, 0.999), eps=1e-8, weight_decay=0.05)}
 
 
-def _local_state_shape(name: str, local: torch.Tensor) -> tuple:
-    """state1's shape for a local shard: AdEMAMix stacks its two first moments."""
-    return ((2,) if "AdEMAMix" in name else ()) + tuple(local.shape)
+def _local_state_shape(name: str, local: torch.Tensor, codes: bool = True) -> tuple:
+    """state1's shape for a local shard: AdEMAMix stacks its two first moments; 4-bit codes
+    (``codes``: not a small tensor's 32-bit state) halve an even last dimension (two a byte)."""
+    shape = tuple(local.shape)
+    if "4bit" in name and codes:
+        shape = shape[:-1] + (shape[-1] // 2,)
+    return ((2,) if "AdEMAMix" in name else ()) + shape
 
 
 def _entry(rank: int, world: int, backend: str, init_method: str, scenario, args) -> None:

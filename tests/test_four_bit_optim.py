@@ -97,11 +97,12 @@ def test_four_bit_state_layout(device):
     big, odd, small = params[0], params[1], params[3]
     st = opt.state[big]
     n = big.numel()
-    assert st["state1"].dtype == torch.uint8 and tuple(st["state1"].shape) == (n // 2,)
+    assert st["state1"].dtype == torch.uint8 and tuple(st["state1"].shape) == (96, 257)  # rows of 514 halved
     assert tuple(st["absmax1"].shape) == (math.ceil(n / 128),)
     assert torch.equal(st["qmap1"].cpu(), dynamic_codebook_4bit(True))
     assert torch.equal(st["qmap2"].cpu(), linear_codebook_4bit_no_zero())
-    assert tuple(opt.state[odd]["state2"].shape) == (10001,)  # ceil(20001 / 2)
+    assert tuple(opt.state[odd]["state2"].shape) == (10001,)  # ceil(20001 / 2), flat
+    assert tuple(opt.state[params[2]]["state1"].shape) == (300, 20)
     assert opt.state[small]["state1"].dtype == torch.float32  # under min_8bit_size
     # an odd size's last byte holds one code: its high nibble stays 0
     assert int(opt.state[odd]["state1"][-1]) >> 4 == 0

@@ -216,9 +216,11 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         if not needs_states:
             return state
         fmt = self.state_format(config, p)
-        if fmt.bits == 4 and sharding.is_dtensor(p):
-            raise ValueError(f"{locate(self.param_groups, p)}: 4-bit states of a DTensor (FSDP2) parameter are not "
-                             "supported; use optim_bits=8 for it (a GlobalOptimManager override) or for the group")
+        refusal = sharding.four_bit_refusal(p) if fmt.bits == 4 and sharding.is_dtensor(p) else None
+        if refusal is not None:
+            raise ValueError(f"{locate(self.param_groups, p)}: 4-bit states cannot be sharded like this DTensor "
+                             f"(FSDP2) parameter: {refusal}; use optim_bits=8 for it (a GlobalOptimManager "
+                             "override) or for its group")
         for s in spec.states:
             state[s.key] = self.state_zeros(fmt.state_shape(s.moments, local.shape), fmt.dtype, local.device)
             if fmt.quantized:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from ..quant import STATE_BLOCK_SIZE
+from .state_format import BY_CODEBOOK_SIZE, CODES8, FLOAT32, StateFormat, format_of
 from .state_keys import ABSMAX_LAYOUT_KEY, TORCH_MOMENT_KEYS, refuse
 
 if TYPE_CHECKING:
@@ -144,8 +145,29 @@ def describe_layout(t: torch.Tensor) -> str:
 NO_ABSMAX = -1  # the kind of absmax_layout of a 32-bit state
 
 
-def _absmax_layout(p) -> tuple[int, int, list, int]:
-    """(slots, B, absmax placements, kind) of a DTensor parameter; see above."""
+def four_bit_refusal(p) -> Optional[str]:
+    """Why a DTensor parameter cannot keep 4-bit states (None: it can). Its codes, two a byte along
+    the last dimension (state_format.py), shard like the parameter only when every shard's last
+    dimension is even: an even last dimension, not sharded, or sharded once into even chunks."""
+    from torch.distributed.tensor import Shard
+
+    if p.ndim == 0:
+        return "a 0-d parameter"
+    last = p.ndim - 1
+    splits = [p.device_mesh.size(d) for d, x in enumerate(p.placements) if isinstance(x, Shard) and x.dim == last]
+    size = p.shape[-1]
+    if size % 2:
+        return f"its last dimension ({size}) is odd"
+    if len(splits) > 1:
+        return "its last dimension is sharded over several mesh dimensions"
+    if splits and -(-size // splits[0]) % 2:
+        return f"its last dimension ({size}) is sharded into chunks of {-(-size // splits[0])}, an odd number"
+    return None
+
+
+def _absmax_layout(p, block: int = STATE_BLOCK_SIZE) -> tuple[int, int, list, int]:
+    """(slots, B, absmax placements, kind) of a DTensor parameter whose states have blocks of
+    ``block`` elements; see above."""
     from torch.distributed.tensor import Replicate, Shard
 
     mesh, placements = p.device_mesh, p.placements
@@ -166,13 +188,13 @@ def _absmax_layout(p) -> tuple[int, int, list, int]:
         else:
             raise ValueError(f"a parameter with placements {tuple(placements)}: pagedopt keeps states of "
                              "Shard or Replicate parameters only")
-    blocks = -(-math.prod(largest) // STATE_BLOCK_SIZE)
+    blocks = -(-math.prod(largest) // block)
     # contiguous: each shard is a run of the flattened parameter, in the absmax DTensor's (mesh) order
     contiguous = not sharded_dims or (len(sharded_dims) == 1 and next(iter(sharded_dims))[1] == 0
                                       and math.prod(p.shape[:next(iter(sharded_dims))[0]]) == 1)
     if not contiguous:
         return slots, blocks, out, 2 + code
-    return slots, blocks, out, int(slots * blocks * STATE_BLOCK_SIZE == p.numel())
+    return slots, blocks, out, int(slots * blocks * block == p.numel())
 
 
 def describe_absmax_layout(slots: int, blocks: int, kind: int) -> str:
@@ -201,12 +223,13 @@ def sharded_param_state(state: Mapping, p, spec: "AlgorithmSpec") -> dict:
     out = dict(state)
     mesh, placements = p.device_mesh, p.placements
     present = [st for st in spec.states if st.key in state]
+    fmt = format_of(state, spec.states[0].qmap_key, spec.states[0].key) if present else FLOAT32
     for st in present:
-        shape = torch.Size(st.shape(p.shape))
+        shape = torch.Size(fmt.state_shape(st.moments, p.shape))
         out[st.key] = DTensor.from_local(state[st.key], mesh, _stacked(placements, st.moments), run_check=False,
                                          shape=shape, stride=torch.empty(shape, device="meta").stride())
-    if present and state[present[0].key].dtype == torch.uint8:
-        slots, blocks, absmax_placements, kind = _absmax_layout(p)
+    if present and fmt.quantized:
+        slots, blocks, absmax_placements, kind = _absmax_layout(p, fmt.block)
         for st in present:
             local = state[st.absmax_key].reshape(st.moments, -1)
             if local.shape[1] > blocks:
@@ -247,6 +270,16 @@ def _check_gathered_layout(state: Mapping, where: str) -> None:
                   "checkpoint at the world size (and placements) it was saved at")
 
 
+def _saved_format(state: Mapping, spec: "AlgorithmSpec") -> StateFormat:
+    """The format of a saved state's moments: float32 ones, or uint8 codes of the width their
+    first codebook's size says (a plain tensor in a state dict)."""
+    first = state.get(spec.states[0].key)
+    if not isinstance(first, torch.Tensor) or first.dtype != torch.uint8:
+        return FLOAT32
+    qmap = state.get(spec.states[0].qmap_key)
+    return BY_CODEBOOK_SIZE.get(qmap.numel() if isinstance(qmap, torch.Tensor) else None, CODES8)
+
+
 def localize_state(state: dict, p: torch.Tensor, where: str, spec: "AlgorithmSpec") -> dict:
     """A saved state with its DTensors replaced by this rank's local tensors, checked against the
     DTensor parameter ``p``: moments (and torch's exp_avg/exp_avg_sq) must have ``p``'s mesh,
@@ -263,12 +296,13 @@ def localize_state(state: dict, p: torch.Tensor, where: str, spec: "AlgorithmSpe
     out = dict(state)
     mesh, placements = p.device_mesh, tuple(p.placements)
     moments = {st.key: st.moments for st in spec.states}
+    fmt = _saved_format(state, spec)
     for k in tuple(moments) + TORCH_MOMENT_KEYS:
         if k not in state:
             continue
         v = state[k]
         k_placements = _stacked(placements, moments.get(k, 1))
-        k_shape = (moments[k], *p.shape) if moments.get(k, 1) > 1 else tuple(p.shape)
+        k_shape = fmt.state_shape(moments[k], p.shape) if k in moments else tuple(p.shape)
         if not is_dtensor(v):
             raise refuse(f"{where} {k!r} is a plain tensor but the parameter is a DTensor with placements "
                           f"{placements}: load a sharded checkpoint (get_optimizer_state_dict / "
@@ -280,14 +314,14 @@ def localize_state(state: dict, p: torch.Tensor, where: str, spec: "AlgorithmSpe
             raise refuse(f"{where} {k!r} has shape {tuple(v.shape)}, expected {k_shape}")
         out[k] = v.to_local()
     if any(st.absmax_key in state for st in spec.states):
-        slots, blocks, absmax_placements, kind = _absmax_layout(p)
+        slots, blocks, absmax_placements, kind = _absmax_layout(p, fmt.block)
         saved_slots, saved_blocks, saved_kind = _saved_layout(state, where)
         if (saved_slots, saved_blocks, saved_kind) != (slots, blocks, kind) and not (saved_kind == kind == 1):
             raise refuse(f"{where} absmax was saved for {describe_absmax_layout(saved_slots, saved_blocks, saved_kind)}, "
                           f"this parameter has {describe_absmax_layout(slots, blocks, kind)}: 8-bit states "
                           "reload only at the world size (and mesh and placements) they were saved at, unless "
-                          f"both layouts shard dimension 0 into whole {STATE_BLOCK_SIZE}-element blocks")
-        local_blocks = -(-local_numel(p) // STATE_BLOCK_SIZE)
+                          f"both layouts shard dimension 0 into whole {fmt.block}-element blocks")
+        local_blocks = -(-local_numel(p) // fmt.block)
         for st in spec.states:
             k, v = st.absmax_key, state.get(st.absmax_key)
             if v is None:

@@ -3,8 +3,10 @@
 * 32-bit: float32 tensors shaped like the parameter (``(k, *shape)`` for a key of k stacked moments).
 * 8-bit: uint8 codes shaped likewise, one float32 absmax per 256-element block, a 256-entry
   codebook per key (``qmap1``): bitsandbytes' layout.
-* 4-bit: two codes a byte (element i in byte i // 2, the low nibble for even i), flat:
-  ``(ceil(n / 2),)`` or ``(k, ceil(n / 2))``; one float32 absmax per 128-element block; a 16-entry
+* 4-bit: two codes a byte (element i in byte i // 2, the low nibble for even i), shaped like the
+  parameter with its last dimension halved when that is even (``(rows, cols / 2)``: the same bytes,
+  and sharded like the parameter on its other dimensions), else flat ``(ceil(n / 2),)``; a key of k
+  stacked moments has a leading k; one float32 absmax per 128-element block; a 16-entry
   codebook per key (the signed 4-bit dynamic map for signed moments, the linear map without zero
   for the others: pagedopt.quant).
 
@@ -45,8 +47,10 @@ class StateFormat:
     def state_shape(self, moments: int, param_shape) -> tuple:
         """The shape of a key holding ``moments`` moments of a parameter of ``param_shape``."""
         if self.bits == 4:
-            packed = self.moment_numel(math.prod(param_shape))
-            return (moments, packed) if moments > 1 else (packed,)
+            shape = tuple(param_shape)
+            packed = ((*shape[:-1], shape[-1] // 2) if shape and shape[-1] % 2 == 0
+                      else (self.moment_numel(math.prod(shape)),))
+            return (moments, *packed) if moments > 1 else packed
         return (moments, *param_shape) if moments > 1 else tuple(param_shape)
 
     def absmax_shape(self, moments: int, numel: int) -> tuple:
