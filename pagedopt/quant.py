@@ -53,6 +53,20 @@ def dynamic_codebook(signed: bool = True, device: torch.device | str | None = No
     return _dynamic_map_cpu(bool(signed)).clone().to(device if device is not None else "cpu")
 
 
+def second_moment_codebook(device: torch.device | str | None = None) -> torch.Tensor:
+    """The 8-bit codebook of second moments (Adam's v, ``qmap2``): the unsigned dynamic map with
+    its zero code replaced by half its smallest positive code (1.6e-7), sorted, 256 entries. A v far
+    below its block's absmax (the rows of rare tokens in an embedding, next to frequent ones) would
+    round to 0 with the zero code, while its m does not: the update m / (sqrt(v) + eps) then
+    explodes (to m / eps, 100 to 10000 times the learning rate, where fp32 Adam moves about one);
+    with this code it is at most what fp32 Adam would take. Values below 3/4 of the smallest
+    positive code, zero included, take this code: an element with m = 0 still moves by nothing.
+    bitsandbytes' checkpoints carry their own qmap2 (with the zero code), which is kept."""
+    code = _dynamic_map_cpu(False).clone()
+    code[0] = code[1] / 2
+    return code.to(device if device is not None else "cpu")
+
+
 def check_codebook(code: torch.Tensor, name: str = "code", size: int = CODEBOOK_SIZE) -> None:
     """Raise ValueError unless `code` is a sorted float32 vector of `size` (256: 8-bit, 16: 4-bit)
     finite entries."""

@@ -32,7 +32,7 @@ import torch
 import pagedopt
 from pagedopt import _ops
 from pagedopt.convert import to_torch_state_dict
-from pagedopt.quant import STATE_BLOCK_SIZE, dequantize_blockwise_reference, dynamic_codebook
+from pagedopt.quant import STATE_BLOCK_SIZE, dequantize_blockwise_reference, dynamic_codebook, second_moment_codebook
 
 from reference import quantization_error_bound
 
@@ -163,7 +163,7 @@ def test_torch_checkpoint_loads_and_continues_like_torch(ours_cls, torch_cls):
         if bits == 8 and p.numel() >= MIN_8BIT:
             # converted to the group's 8-bit kind: exactly the quantize_blockwise op's codes
             for i, (name, signed) in enumerate((("exp_avg", True), ("exp_avg_sq", False)), 1):
-                code = dynamic_codebook(signed)
+                code = dynamic_codebook(True) if signed else second_moment_codebook()
                 codes, absmax = _ops.quantize_blockwise(rs[name], code)
                 assert s[f"state{i}"].dtype == torch.uint8 and s[f"state{i}"].shape == p.shape
                 assert torch.equal(s[f"state{i}"], codes) and torch.equal(s[f"absmax{i}"], absmax)

@@ -43,7 +43,7 @@ import pagedopt
 
 # paged classes off CUDA work unpaged and say so once per device; that is not under test here
 pytestmark = pytest.mark.filterwarnings("ignore::pagedopt.paging.PagingFallbackWarning")
-from pagedopt.quant import STATE_BLOCK_SIZE, dynamic_codebook
+from pagedopt.quant import STATE_BLOCK_SIZE, dynamic_codebook, second_moment_codebook
 
 from reference import adam8bit_step_reference
 
@@ -63,7 +63,7 @@ HYPER = ("lr", "betas", "eps", "weight_decay", "optim_bits", "min_8bit_size")
 U = 2.0 ** -24
 MAX_PARAMS = 7
 
-CODE1, CODE2 = dynamic_codebook(True), dynamic_codebook(False)
+CODE1, CODE2 = dynamic_codebook(True), second_moment_codebook()
 
 
 def ulp(x: torch.Tensor, dtype) -> torch.Tensor:

@@ -289,3 +289,41 @@ def test_tail_block_reads_nothing_past_the_end(tail, dtype, device):
     assert torch.equal(absmax.cpu().double(), absmax_float64(x.cpu()))
     ref_codes, _ = quantize_blockwise_reference(x.cpu(), code, 256)
     assert torch.equal(codes.cpu(), ref_codes)
+
+
+def test_second_moment_codebook_has_no_zero_code():
+    """The 8-bit map of v: bitsandbytes' unsigned dynamic map but its zero code, which is half the
+    smallest positive one; sorted, so the kernels' nearest-code search (and the CUDA table, whose
+    fit tests/test_code_table_host.py checks for the optimizers' codebooks) takes it."""
+    from pagedopt.quant import dynamic_codebook, second_moment_codebook
+
+    code, bnb = second_moment_codebook(), dynamic_codebook(False)
+    assert code.dtype == torch.float32 and code.numel() == 256
+    assert torch.equal(code[1:], bnb[1:]) and bnb[0] == 0 and code[0] == bnb[1] / 2
+    assert bool((code[1:] > code[:-1]).all()) and bool((code > 0).all())
+
+
+@pytest.mark.parametrize("cls", ["AdamW8bit", "Adam8bit", "AdEMAMix8bit"])
+def test_a_tiny_second_moment_does_not_blow_up_the_update(cls):
+    """A rare row: in a block whose elements all get gradients of 1, one gets 1e-5 at the first
+    step and none after (an embedding row of a token seen once). Its v is 1e-10 of the block's
+    absmax, below the smallest positive code (3.25e-7), while its m (1e-5 of m's absmax) is not.
+    fp32 Adam moves it by at most lr a step (m-hat / sqrt(v-hat) <= 1 here). With a zero code its
+    stored v is 0, and the next step moves it by m-hat / eps, about 500 x lr; with the code of
+    half the smallest positive one, v is stored too large, never too small, and it moves by at
+    most lr."""
+    import pagedopt
+
+    p = torch.nn.Parameter(torch.zeros(4096))
+    kwargs = {"betas": (0.9, 0.999, 0.9999)} if cls == "AdEMAMix8bit" else {}
+    opt = getattr(pagedopt, cls)([p], lr=1e-3, weight_decay=0.0, **kwargs)
+    bound = 1e-3 * (1 + 5.0 if cls == "AdEMAMix8bit" else 1.0) * 1.01  # AdEMAMix adds alpha = 5 slow EMAs
+    for step in range(4):
+        g = torch.ones(4096)
+        g[5] = 1e-5 if step == 0 else 0.0
+        p.grad = g
+        before = p.detach().clone()
+        opt.step()
+        moved = (p.detach() - before).abs()
+        assert float(moved[5]) <= bound, (step, float(moved[5]))
+        assert float(moved[0]) > 0.5e-3
