@@ -11,7 +11,7 @@ from pagedopt import quant
 # The host/device-portable half of csrc/cuda/code_table.cuh, compiled for the host: the table
 # search against nearest_code (every 4099th float bit pattern, all of them with
 # PAGEDOPT_BIG_TESTS=1, plus values around every threshold and bucket edge, also for random sorted
-# codebooks, with duplicates, that fit the table), that both dynamic codebooks fit it, that
+# codebooks, with duplicates, that fit the table), that both dynamic codebooks and the map of v fit it, that
 # non-finite values saturate (+-inf to the end codes, NaN to the code of 0.0) and do not count
 # towards absmax (finite_abs), and the float bias-correction constants from pow_step against this
 # machine's glibc pow.
@@ -114,7 +114,7 @@ int main(int argc, char** argv) {
   const uint64_t step = strtoull(argv[1], nullptr, 10);
   long bad = 0, dynamic_unfit = 0, random_fit = 0, special_bad = 0;
   std::mt19937 rng(12345);
-  for (int f = 2; f < 4; ++f) {  // the two dynamic codebooks, as float32 bytes
+  for (int f = 2; f < argc; ++f) {  // the optimizers' 8-bit codebooks, as float32 bytes
     float code[256];
     FILE* in = fopen(argv[f], "rb");
     if (!in || fread(code, sizeof(float), 256, in) != 256) return 2;
@@ -187,10 +187,11 @@ def test_host_build_of_search_tables_and_pow_step(tmp_path):
     exe = tmp_path / "host_check"
     subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", f"-I{root / 'csrc' / 'include'}",
                     f"-I{root / 'csrc' / 'cuda'}", str(src), "-o", str(exe)], check=True)
-    files = []
-    for signed in (True, False):
-        f = tmp_path / f"code_{int(signed)}.bin"
-        f.write_bytes(quant.dynamic_codebook(signed).numpy().tobytes())
+    files = []  # the two dynamic maps (bitsandbytes' checkpoints keep them) and the map of v
+    for i, code in enumerate((quant.dynamic_codebook(True), quant.dynamic_codebook(False),
+                              quant.second_moment_codebook())):
+        f = tmp_path / f"code_{i}.bin"
+        f.write_bytes(code.numpy().tobytes())
         files.append(str(f))
     step = "1" if os.environ.get("PAGEDOPT_BIG_TESTS") == "1" else "4099"
     out = subprocess.run([str(exe), step, *files], capture_output=True, text=True, timeout=1800)
