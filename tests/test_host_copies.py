@@ -72,6 +72,7 @@ class _CopyingFake:
 
 
 def _manager(**kw):
+    kw.setdefault("pin_ahead", False)  # copies made at the first page-out (test_pin_ahead.py: made ahead)
     m = PageManager(**kw)
     m._cuda = _CopyingFake()
     return m

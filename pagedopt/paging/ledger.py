@@ -80,6 +80,7 @@ class Ledger:
         self.host_copy: dict[int, torch.Tensor] = {}  # storage data_ptr -> page-locked copy of the storage
         self.host_copy_bytes = 0
         self.host_copied_bytes = 0
+        self.on_storage_gone = None  # called with a storage's key when its last tracked tensor dies
         # steps and per-step traffic
         self.step = 0
         self.seq = 0
@@ -166,6 +167,8 @@ class Ledger:
                 copy = self.host_copy.pop(e.storage_key, None)  # the storage is gone: so is its host copy
                 if copy is not None:
                     self.host_copy_bytes -= copy.numel()
+                if self.on_storage_gone is not None:
+                    self.on_storage_gone(e.storage_key)
 
     # ------------------------------------------------------------------ queries
     def entry(self, t: torch.Tensor) -> Optional[Entry]:

@@ -77,10 +77,16 @@ class PageManager:
             page-outs are the driver's migration (cudaMemPrefetchAsync to the host).
             While tensors are paged out this way their managed bytes are indeterminate: read
             them after ``settle()``.
+        pin_ahead: True (default): with host copies, each storage's host copy is allocated when
+            the manager starts tracking the storage, on a background thread
+            (:mod:`pagedopt.paging.pin_ahead`), so that the first page-out does not wait for
+            ``cudaHostAlloc`` (about 1.4 s for 2 GiB, against 44 ms for the copy). Up to half of
+            the host memory available then is pinned ahead; the rest at the first page-out.
+            ``wait_pinned()`` waits for them. False: each copy is made at its first page-out.
     """
 
     def __init__(self, budget_bytes: Optional[int] = None, *, arena_bytes: int = 0, prefetch_depth: int = 2,
-                 host_copies: bool = True):
+                 host_copies: bool = True, pin_ahead: bool = True):
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
             raise ValueError(f"budget_bytes must be None or an int >= 0, got {budget_bytes!r}")
         if not isinstance(arena_bytes, int) or arena_bytes < 0:
@@ -89,11 +95,13 @@ class PageManager:
             raise ValueError(f"prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
         if not isinstance(host_copies, bool):
             raise ValueError(f"host_copies must be True or False, got {host_copies!r}")
+        if not isinstance(pin_ahead, bool):
+            raise ValueError(f"pin_ahead must be True or False, got {pin_ahead!r}")
         self.arena_bytes = arena_bytes
         self.prefetch_depth = prefetch_depth
         self._warned: set[str] = set()  # devices this manager warned about (fallback), and "host_copies"
         self._ledger = Ledger(budget_bytes)
-        self._migration = Migration(self._ledger, host_copies, self._warned)
+        self._migration = Migration(self._ledger, host_copies, self._warned, pin_ahead=pin_ahead)
         self._staging = Staging(self._ledger, self._migration)
         self._arenas: dict[int, _Arena] = {}
 
@@ -116,6 +124,18 @@ class PageManager:
     @host_copies.setter
     def host_copies(self, value: bool) -> None:
         self._migration.host_copies = value
+        if not value:
+            self._migration.forget_pinned()
+
+    @property
+    def pin_ahead(self) -> bool:
+        """Whether host copies are made when storages are tracked (see the class docstring)."""
+        return self._migration.pin_ahead
+
+    def wait_pinned(self) -> None:
+        """Wait until the host copies being made ahead (``pin_ahead``) are made; a page-out
+        waits for the ones it needs by itself."""
+        self._migration.wait_pinned()
 
     @property
     def _cuda(self):
@@ -130,11 +150,12 @@ class PageManager:
         """Pickling/deepcopy keep the configuration only: the copy tracks no tensor (copies of
         managed tensors made by torch are ordinary memory anyway)."""
         return {"budget_bytes": self.budget_bytes, "arena_bytes": self.arena_bytes,
-                "prefetch_depth": self.prefetch_depth, "host_copies": self.host_copies}
+                "prefetch_depth": self.prefetch_depth, "host_copies": self.host_copies, "pin_ahead": self.pin_ahead}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["budget_bytes"], arena_bytes=state["arena_bytes"],
-                      prefetch_depth=state["prefetch_depth"], host_copies=state.get("host_copies", True))
+                      prefetch_depth=state["prefetch_depth"], host_copies=state.get("host_copies", True),
+                      pin_ahead=state.get("pin_ahead", True))
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -144,7 +165,7 @@ class PageManager:
     # ------------------------------------------------------------------ the ledger's, for tests
     def _register(self, t: torch.Tensor, paged: bool, state: int, ordinal: Optional[int] = None,
                   device: Optional[int] = None) -> Entry:
-        return self._ledger.register(t, paged, state, ordinal, device)
+        return self._track(t, paged, state, ordinal, device)
 
     def _entry(self, t: torch.Tensor) -> Optional[Entry]:
         return self._ledger.entry(t)
@@ -165,6 +186,16 @@ class PageManager:
         return self._ledger.non_resident
 
     # ------------------------------------------------------------------ registration
+    def _track(self, t: torch.Tensor, paged: bool, state: int, ordinal: Optional[int] = None,
+               device: Optional[int] = None) -> Entry:
+        """The ledger's entry of ``t``; the first tracked tensor of a managed storage has its host
+        copy made ahead (pin_ahead)."""
+        new_storage = paged and t.untyped_storage().data_ptr() not in self._ledger.by_storage
+        e = self._ledger.register(t, paged, state, ordinal, device)
+        if new_storage and e.paged:
+            self._migration.storage_tracked(e.storage_key, t.untyped_storage().nbytes(), e.device)
+        return e
+
     def register(self, t: torch.Tensor) -> bool:
         """Adopt a managed tensor allocated elsewhere (residency unknown until moved). Returns
         True when ``t`` is managed memory and is now tracked; False (and no tracking) otherwise."""
@@ -173,7 +204,7 @@ class PageManager:
             return e.paged
         if not is_managed(t) or span_bytes(t) == 0:
             return False
-        self._ledger.register(t, True, RESIDENCY_UNKNOWN)
+        self._track(t, True, RESIDENCY_UNKNOWN)
         return True
 
     # ------------------------------------------------------------------ allocation
@@ -205,11 +236,11 @@ class PageManager:
             # Over budget: first touch on the CPU puts the pages in host memory, using no GPU memory.
             # Nothing on the GPU references this fresh allocation, so no ordering is needed.
             ctypes.memset(t.data_ptr(), 0, nbytes)
-            self._ledger.register(t, True, RESIDENCY_HOST, ordinal)
+            self._track(t, True, RESIDENCY_HOST, ordinal)
         else:
             with self._migration.cuda.use_device(index):
                 t.zero_()  # on the current stream; the pages are populated on the GPU
-            self._ledger.register(t, True, RESIDENCY_DEVICE, ordinal)
+            self._track(t, True, RESIDENCY_DEVICE, ordinal)
         return t
 
     def _allocate(self, shape, dtype, index: int, nbytes: int):

@@ -16,6 +16,7 @@ from .. import _callsite
 from .backends import CudaBackend
 from .ledger import Entry, Ledger, by_device
 from .managed import RESIDENCY_DEVICE, RESIDENCY_HOST, DeviceLike, PagingFallbackWarning, as_device
+from .pin_ahead import PinAhead
 
 _MERGE_GAP = 64 << 10  # adjacent arena tensors separated by at most this many bytes share one prefetch
 
@@ -31,18 +32,51 @@ class Migration:
     ``ledger``: the manager's bookkeeping; ``host_copies``: page out through page-locked host copies
     (turned off here for good when the driver offers no discards); ``warned``: the manager's set of
     fallback warnings already given; ``cuda``: the CUDA calls (:class:`.backends.CudaBackend`, or a
-    fake in tests)."""
+    fake in tests); ``pin_ahead``: make each storage's host copy when it is tracked
+    (:mod:`.pin_ahead`), not at its first page-out."""
 
-    def __init__(self, ledger: Ledger, host_copies: bool, warned: set, cuda=CudaBackend):
+    def __init__(self, ledger: Ledger, host_copies: bool, warned: set, cuda=CudaBackend, pin_ahead: bool = True):
         self.ledger = ledger
         self.host_copies = host_copies
-        self.cuda = cuda
+        self.pin_ahead = pin_ahead
+        self._pinner = PinAhead(cuda)
+        ledger.on_storage_gone = self._pinner.drop
+        self._cuda = cuda
         self._warned = warned
         # streams and events, per device
         self._side_streams: dict = {}
         self._out_streams: dict = {}
         self._pageout_events: dict = {}  # device -> event after the last page-out issued there
         self._pagein_events: dict = {}  # device -> event of a non_blocking prefetch() in flight
+
+    @property
+    def cuda(self):
+        return self._cuda
+
+    @cuda.setter
+    def cuda(self, backend) -> None:
+        self._cuda = backend
+        self._pinner.drop_all()
+        self._pinner.cuda = backend
+
+    # ------------------------------------------------------------------ host copies made ahead
+    def storage_tracked(self, storage_key: int, nbytes: int, device: int) -> None:
+        """A storage is tracked from now on: its host copy is made ahead (see :mod:`.pin_ahead`)."""
+        if self.host_copies and self.pin_ahead and storage_key not in self.ledger.host_copy:
+            self._pinner.request(storage_key, nbytes, device)
+
+    def forget_pinned(self) -> None:
+        """Drop the host copies made ahead and not used (page-outs no longer use host copies)."""
+        self._pinner.drop_all()
+
+    def wait_pinned(self) -> None:
+        """Wait until the host copies being made ahead are made."""
+        self._pinner.wait()
+
+    @property
+    def pinning_bytes(self) -> int:
+        """Bytes of host copies asked for ahead and not yet used by a page-out."""
+        return self._pinner.pending_bytes
 
     # ------------------------------------------------------------------ streams
     def side_stream(self, d: int):
@@ -125,7 +159,9 @@ class Migration:
         if copy is None:
             nbytes = anchor.untyped_storage().nbytes()
             try:
-                copy = self.cuda.pinned_empty(nbytes)
+                copy = self._pinner.take(storage_key, nbytes)
+                if copy is None:
+                    copy = self.cuda.pinned_empty(nbytes)
             except RuntimeError as exc:  # page-locked memory exhausted: this storage migrates instead
                 self._warn_no_host_copy(f"page-locked host memory of {nbytes} bytes could not be allocated ({exc})")
                 return None
@@ -151,6 +187,7 @@ class Migration:
             self.cuda.discard(view, None)
         except RuntimeError as exc:  # the runtime or driver offers no discards: migrate from now on
             self.host_copies = False
+            self.forget_pinned()
             self._warn_no_host_copy(str(exc).splitlines()[0])
             self.cuda.prefetch(view, None)  # the bytes are intact: the copy only read them
             return False
