@@ -104,6 +104,28 @@ def test_cuda_page_out_into_host_copies_round_trips(arena):
         assert torch.equal(t, r)
 
 
+@pytest.mark.cuda
+def test_cuda_host_copies_pinned_ahead_are_the_ones_the_page_out_uses():
+    """pin_ahead: the copies are made on the pinning thread with the tensors; the page-out uses
+    them (nothing left asked for), they are page-locked, and the bytes round-trip."""
+    _require_paging()
+    m = PageManager(arena_bytes=4 * MiB)
+    ts = [m.zeros(s, torch.float32, "cuda") for s in [(1000, 257), (123_457,), (2048, 300)]]
+    refs = [torch.randn(t.shape, device="cuda") for t in ts]
+    for t, r in zip(ts, refs):
+        t.copy_(r)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}
+    m.wait_pinned()
+    assert m._migration.pinning_bytes == sum(storages.values())
+    m.page_out(sync=True)
+    assert m._migration.pinning_bytes == 0
+    assert m.stats().host_copy_bytes == sum(storages.values())
+    assert all(c.is_pinned() for c in m._ledger.host_copy.values())
+    m.prefetch()
+    torch.cuda.synchronize()
+    assert all(torch.equal(t, r) for t, r in zip(ts, refs))
+
+
 def _params(dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     shapes = [(512, 300), (4096,), (7,), (1024, 257), (33, 65)]
