@@ -339,6 +339,37 @@ def test_a_bad_gradient_met_during_backward_names_the_parameter():
     assert _train(m, opt, xs[2:])[1] > 0  # the step after is ordinary (a new schedule), then in backward again
 
 
+@pytest.mark.parametrize("scheduled", [False, True], ids=["first_step", "scheduled"])
+def test_a_setting_spoiled_by_hand_is_refused_in_backward_before_any_update(scheduled):
+    """A hyperparameter set by hand to a value the constructor refuses is refused at the step's
+    first gradient, before any update (scheduled steps and steps without a schedule alike): the
+    parameters, states and counters stay as they were, and once it is fixed the run goes on bit for
+    bit like one that never met it."""
+    xs = _batches("cpu", torch.float32, 5)
+    m_ref = _model("cpu")
+    o_ref = _make("PagedAdamW8bit", m_ref, True)
+    _train(m_ref, o_ref, xs)
+    m = _model("cpu")
+    opt = _make("PagedAdamW8bit", m, True)
+    _train(m, opt, xs[:2] if scheduled else [])
+    params = [p.detach().clone() for p in m.parameters()]
+    states = copy.deepcopy(opt.state_dict()["state"])
+    opt.param_groups[1]["betas"] = (1.5, 0.999)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['betas'\].*1\.5.*before any update: nothing was "
+                       r"changed"):
+        m(xs[2 if scheduled else 0]).square().mean().backward()
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), params))
+    after = opt.state_dict()["state"]
+    assert after.keys() == states.keys()
+    for k in states:
+        for kk, v in states[k].items():
+            assert not isinstance(v, torch.Tensor) or torch.equal(v, after[k][kk]), (k, kk)
+    opt.param_groups[1]["betas"] = o_ref.param_groups[1]["betas"]
+    opt.zero_grad()
+    _train(m, opt, xs[2:] if scheduled else xs)
+    _assert_same(m_ref, o_ref, m, opt)
+
+
 def test_open_pass_hands_out_groups_in_order_and_a_dropped_pass_is_harmless():
     pager = HostResidentPager(4096, prefetch_depth=1)
     groups = [[torch.full((200,), float(i))] for i in range(6)]

@@ -96,6 +96,7 @@ class BackwardUpdates:
         self._counted: set[int] = set()       # params whose gradient counted towards a chunk this step
         self._updated: set[int] = set()       # params updated this step
         self._checked = False                 # the schedule was checked against the optimizer this step
+        self._settings_checked = False        # the param groups' settings were checked this step
         self._began = False                   # the pager was told that a step began
         self._stepped: dict = {}              # id(bucket) -> positions whose counter was incremented
         self._streams: dict = {}
@@ -138,6 +139,8 @@ class BackwardUpdates:
                                "(for gradient accumulation set opt.update_in_backward = False for the micro-batches "
                                "before the last)")
         self._counted.add(pid)
+        if not self._settings_checked:
+            self._check_settings(opt)
         if self._schedule is None or not self._current(opt):
             self._first_step_grad(opt, p)
             return
@@ -274,6 +277,18 @@ class BackwardUpdates:
                 raise_bad_grad(opt.param_groups, params[verdict])
             verdicts.append(verdict)
         return verdicts
+
+    def _check_settings(self, opt) -> None:
+        """At the step's first gradient, before any update: the settings changed in param_groups
+        since they were last checked are checked as step() checks them (a bad one raises, and
+        stops backward, with nothing updated)."""
+        try:
+            opt.check_changed_settings()
+        except ValueError as exc:
+            self._abandon_step()
+            raise ValueError(f"{exc} (met during backward with update_in_backward=True, before any update: "
+                             "nothing was changed; fix the setting, call zero_grad() and run backward again)") from None
+        self._settings_checked = True
 
     def _bad_gradient(self, exc: ValueError):
         """A bad gradient met during backward: the step is abandoned, the error raised."""
@@ -433,6 +448,7 @@ class BackwardUpdates:
 
     def _reset_step(self) -> None:
         self._began = False
+        self._settings_checked = False
         self._stepped = {}  # id(bucket) -> positions whose step counter this step incremented
         self._counted = set()
         self._updated = set()

@@ -105,7 +105,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
         self._codebooks: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, bits) -> codebooks
         self._plan_version = 0  # bumped whenever param groups are replaced or added
         self._plan = None
-        self._checked_settings: list[dict] = []  # each group's settings as last checked (_check_changed_settings)
+        self._checked_settings: list[dict] = []  # each group's settings as last checked (check_changed_settings)
         self._backward_updates = None  # set_pager(..., update_in_backward=True): backward_updates.py
 
     # ------------------------------------------------------------------ what the pipeline reads
@@ -260,7 +260,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
     def _update(self) -> None:
         """The update of step(), always eager (see step()): the fast step when the plan allows it,
         else the rest of updates during backward or the ordinary step."""
-        self._check_changed_settings()
+        self.check_changed_settings()
         plan = self._plan
         bwd = self._backward_updates
         if bwd is None:
@@ -293,7 +293,7 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
                                     if id(p) in done or p.grad is not None])
         bwd.make_schedule(self, plan)
 
-    def _check_changed_settings(self) -> None:
+    def check_changed_settings(self) -> None:
         """Settings changed in ``param_groups`` since they were last checked (by hand, a scheduler
         replacing a value) are checked before anything changes, with the constructor's messages."""
         seen = self._checked_settings
