@@ -50,6 +50,7 @@ them to the optimizer's step().
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from typing import Optional
 
@@ -84,6 +85,7 @@ class BackwardUpdates:
     def __init__(self, opt):
         self._opt = weakref.ref(opt)
         self.enabled = True
+        self._lock = threading.RLock()        # the hooks' bookkeeping, one thread at a time (_on_grad)
         self.keep_grads = False               # True: gradients stay after their update (set_pager(keep_grads=True))
         self._last_chunk: dict = {}           # id(param) -> (device, chunk) that updates its last piece
         self._hooks = GradHooks(self, BackwardUpdates._on_grad, self._opt)
@@ -120,6 +122,12 @@ class BackwardUpdates:
             self._worker = None
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        # autograd runs the backward of each GPU on a thread of its own: a model spread over several
+        # GPUs calls these hooks from several threads, whose bookkeeping must not interleave
+        with self._lock:
+            self._grad_arrived(p)
+
+    def _grad_arrived(self, p: torch.Tensor) -> None:
         opt = self._opt()
         if opt is None:
             return
