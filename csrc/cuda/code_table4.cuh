@@ -1,0 +1,151 @@
+#pragma once
+// The nearest-code search of the 4-bit step kernel (four_bit_step_kernel.cuh): a fast, exact
+// replacement for nearest_code4(code, s * inv) of pagedopt/codebook.h, with one 32-bit table entry
+// per bucket of floats, as code_table.cuh does it for the 8-bit codebooks (its "Fast exact
+// nearest-code search" explains the entry: entry = (lo << 24) + (2^24 - t), the code is the top
+// byte of entry + the value's low key bits). Two differences:
+//  * the value is taken as y = min(|s * inv|, 1), NaN -> 0 (one saturating multiply on the GPU:
+//    mul.sat of |s| and inv >= 0) and its sign, the sign of s. The buckets cover every y in
+//    [0, 1] (a bucket: the floats of one sign whose top kIndexBits4 bits, 8 exponent bits and
+//    kSubBits4 mantissa bits, agree), so no clamp from below is needed; y = 1 is the top bucket,
+//    which must hold one code from 1 to infinity;
+//  * 16 codes: kSubBits4 = 5 (a bucket is 1/32 of a binade) leaves room for a threshold per
+//    bucket in any codebook whose thresholds are more than about 3% apart, relatively.
+// It returns nearest_code4(code, x) for x = s * inv and every float s and every inv >= +0 (NaN, infinities,
+// subnormals, -0 included), whenever the codebook fits the table (the 4-bit maps do: the signed and
+// unsigned dynamic maps and the linear map without zero); for any other codebook the kernel uses
+// nearest_code4 itself. NaN x: y = 0, its bucket 0 of either sign is the code of +-0, as
+// nearest_code4 quantizes NaN.
+//
+// The first half is plain host/device C++, so that tests/test_code_table4_host.py can compile it
+// with g++ and check it against nearest_code4 over float bit patterns. The second half is CUDA only.
+#include <cmath>
+#include <cstdint>
+
+#include "code_table.cuh"
+#include "pagedopt/codebook.h"
+#include "pagedopt/common.h"
+
+namespace pagedopt {
+namespace cuda_detail {
+
+constexpr int kSubBits4 = 5;
+constexpr int kLowBits4 = 23 - kSubBits4;                       // a bucket's low key bits
+constexpr uint32_t kLowMask4 = (1u << kLowBits4) - 1u;
+constexpr uint32_t kBucketTop4 = 0x3f800000u >> kLowBits4;      // the bucket of 1.0 (the top one)
+constexpr uint32_t kNegOffset4 = 4096;                          // y of a negative x: entry kNegOffset4 + bucket
+constexpr uint32_t kBucketEntries4 = 2 * kNegOffset4;
+constexpr uint32_t kNoThreshold4 = 1u << kLowBits4;
+static_assert(kBucketTop4 < kNegOffset4, "the two signs' entries do not overlap");
+
+// Global-memory image of one 16-entry codebook's table (the setup kernel builds it, the step kernel
+// copies it into shared memory).
+struct alignas(16) CodeTable4 {
+  uint32_t entry[kBucketEntries4];
+};
+
+PAGEDOPT_HOST_DEVICE uint32_t code_rank4(const float* code, uint32_t key) { return nearest_code4(code, key_float(key)); }
+
+// Finite and non-decreasing: the condition under which the table can be exact.
+PAGEDOPT_HOST_DEVICE bool codebook4_entry_ok(const float* code, int i) {
+  const bool finite = fabsf(code[i]) <= 3.40282347e38f;
+  return finite && (i + 1 >= kCodebookSize4 || code[i] <= code[i + 1]);
+}
+
+// The first and last key of entry e's bucket; false for the padding entries past the top bucket.
+PAGEDOPT_HOST_DEVICE bool bucket4_keys(uint32_t e, uint32_t& first, uint32_t& last) {
+  const bool neg = e >= kNegOffset4;
+  const uint32_t b = neg ? e - kNegOffset4 : e;
+  if (b > kBucketTop4) return false;
+  const uint32_t a0 = b << kLowBits4;
+  const uint32_t a1 = b == kBucketTop4 ? 0x7f800000u : ((b + 1) << kLowBits4) - 1u;  // the top one: up to inf
+  if (neg) {
+    first = float_key(bits_f32(a1 | 0x80000000u));
+    last = float_key(bits_f32(a0 | 0x80000000u));
+  } else {
+    first = float_key(bits_f32(a0));
+    last = float_key(bits_f32(a1));
+  }
+  return true;
+}
+
+// Entry e of the table of a finite, non-decreasing 16-entry codebook (kBadEntry if it does not
+// fit; 0 for the padding entries, which no value reaches).
+PAGEDOPT_HOST_DEVICE uint32_t bucket4_entry(const float* code, uint32_t e) {
+  uint32_t first;
+  uint32_t last;
+  if (!bucket4_keys(e, first, last)) return 0;
+  const uint32_t lo = code_rank4(code, first);
+  const uint32_t hi = code_rank4(code, last);
+  uint32_t threshold = kNoThreshold4;
+  if (hi != lo) {
+    const bool middle = (first >> kLowBits4) == (last >> kLowBits4);
+    if (hi != lo + 1 || !middle) return kBadEntry;
+    uint32_t below = first;  // code_rank4(below) == lo
+    uint32_t at = last;      // code_rank4(at) == hi
+    while (at - below > 1) {
+      const uint32_t mid = below + (at - below) / 2;
+      if (code_rank4(code, mid) >= hi) {
+        at = mid;
+      } else {
+        below = mid;
+      }
+    }
+    threshold = at & kLowMask4;  // >= 1: the bucket's first key has code lo
+  }
+  return (lo << 24) + (0x1000000u - threshold);
+}
+
+// min(|x|, 1), NaN -> +0: what the GPU's saturating multiply gives for |s| * inv (inv >= +0).
+PAGEDOPT_HOST_DEVICE float saturate_abs(float x) {
+  const float a = fabsf(x);
+  return a < 1.0f ? a : (a >= 1.0f ? 1.0f : 0.0f);  // NaN fails both comparisons
+}
+
+// The code of y = saturate_abs(x), x of sign `neg` (all ones when negative, else 0), from the table.
+PAGEDOPT_HOST_DEVICE uint32_t table4_code(const uint32_t* table, float y, uint32_t neg) {
+  const uint32_t u = f32_bits(y);
+  const uint32_t entry = table[(u >> kLowBits4) | (neg & kNegOffset4)];
+  return (entry + ((u ^ neg) & kLowMask4)) >> 24;
+}
+
+// nearest_code4(code, s * inv) (inv >= +0) from a table whose entries are all valid: the host form
+// of what the kernel does (the product rounded once, as the kernel's saturating multiply does it).
+PAGEDOPT_HOST_DEVICE uint32_t fast_nearest_code4(const uint32_t* table, float s, float inv) {
+  const float x = s * inv;
+  return table4_code(table, saturate_abs(x), sign_mask(s));
+}
+
+}  // namespace cuda_detail
+}  // namespace pagedopt
+
+#if defined(__CUDACC__)
+namespace pagedopt {
+namespace cuda_detail {
+
+// min(|s| * inv, 1) rounded once, NaN -> +0 (inv >= +0): saturate_abs(s * inv) in one instruction.
+__device__ __forceinline__ float mul_sat_abs(float s, float inv) {
+  float y;
+  asm("mul.rn.sat.f32 %0, %1, %2;" : "=f"(y) : "f"(fabsf(s)), "f"(inv));
+  return y;
+}
+
+// Building a table: one thread per entry, kTable4Blocks blocks of kTableThreads threads per codebook
+// (the setup kernel of csrc/cuda/quantized_step.cu runs them, beside the 8-bit tables' blocks).
+constexpr int kTable4Blocks = static_cast<int>((kBucketEntries4 + kTableThreads - 1) / kTableThreads);
+
+__device__ __forceinline__ void build_code_table4_block(const float* __restrict__ code, CodeTable4* __restrict__ out,
+                                                        int block) {
+  __shared__ float s_code[kCodebookSize4];
+  for (int i = threadIdx.x; i < kCodebookSize4; i += blockDim.x) s_code[i] = code[i];
+  __syncthreads();
+  bool ok = true;
+  for (int i = threadIdx.x; i < kCodebookSize4; i += blockDim.x) ok = ok && codebook4_entry_ok(s_code, i);
+  ok = __syncthreads_and(ok) != 0;
+  const uint32_t e = static_cast<uint32_t>(block * kTableThreads + threadIdx.x);
+  if (e < kBucketEntries4) out->entry[e] = ok ? bucket4_entry(s_code, e) : kBadEntry;
+}
+
+}  // namespace cuda_detail
+}  // namespace pagedopt
+#endif  // __CUDACC__
