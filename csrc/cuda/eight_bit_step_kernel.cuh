@@ -34,6 +34,8 @@ namespace cuda_detail {
 
 constexpr int kMaxKeys = 2;  // state tensors per parameter (a key may hold two stacked moments)
 
+struct CodeTable4;  // the 4-bit step's search tables (code_table4.cuh)
+
 // One entry per non-empty tensor, filled on the host.
 struct TensorMeta {
   void* p;
@@ -44,7 +46,7 @@ struct TensorMeta {
   const float* scale;  // the tensor's update scale (lars, lamb), or nullptr
   double* norm;        // the norm pass's output for the tensor, or nullptr
   int64_t numel;
-  int64_t vec_ok;     // p, g 16-byte aligned and every moment's codes 8-byte aligned
+  int64_t vec_ok;     // p, g 16-byte aligned and every moment's codes 8-byte (4-bit: 4-byte) aligned
   uint64_t sr_key;    // stochastic rounding: sr_key(seed, id) (pagedopt/stochastic_round.h)
   int64_t sr_offset;  // and the index of the tensor's first element in its parameter
 };
@@ -58,6 +60,7 @@ struct StepArgs {
   int64_t total_blocks;
   const float* qmap[kMaxKeys];
   CodeTable* tables;        // [kKeys], 8-bit steps (written by the setup kernel)
+  CodeTable4* tables4;      // [kKeys], 4-bit steps (likewise)
   const float* grad_scale;  // nullptr when absent
   const float* found_inf;   // nullptr when absent
   OptimizerHyper hyper;

@@ -1,7 +1,8 @@
 // CUDA kernels of the generic quantized-state engine: one fused step of any algorithm of
 // pagedopt/algorithms.h over a list of tensors, 8-bit (blockwise codes) or 32-bit states, and the
 // norm pass of the algorithms whose update is scaled by its norm (LARS, LAMB). 4-bit states (a
-// 16-entry codebook per key) go to four_bit_step_kernel.cuh's kernels, in blocks of 128.
+// 16-entry codebook per key) go to four_bit_step_kernel.cuh's step kernel, in tiles of two
+// 128-blocks, and four_bit_norm_kernel.cuh's norm pass, in 128-blocks.
 //
 // The element math is the algorithm's update() and the quantization is codebook.h's nearest code,
 // as on the CPU, so the states come out bit for bit as the CPU's. Launches per call: one H2D copy
@@ -36,6 +37,7 @@
 
 #include "launch.h"
 #include "eight_bit_step_kernel.cuh"
+#include "four_bit_norm_kernel.cuh"
 #include "four_bit_step_kernel.cuh"
 #include "pagedopt/algorithms.h"
 #include "pagedopt/codebook.h"
@@ -49,7 +51,8 @@ constexpr int kPlainThreads = 256;
 constexpr int kPlainWarps = kPlainThreads / kWarp;
 
 // ---------------------------------------------------------------------------------------------
-// Setup: blocks [0, K * kTableBlocks) build the codebooks' search tables (8-bit states), the rest
+// Setup: blocks [0, table_blocks) build the codebooks' search tables (8-bit states: kTableBlocks
+// per key; 4-bit steps, args.tables4 set: kTable4Blocks per key), the rest
 // compute each tensor's constants from its step count (and the update scale, for LARS and LAMB) and,
 // with stochastic rounding, its stream (pagedopt/stochastic_round.h).
 // ---------------------------------------------------------------------------------------------
@@ -59,6 +62,11 @@ __global__ void __launch_bounds__(kTableThreads) engine_setup_kernel(const StepA
                                                                      typename Algo::Constants* __restrict__ consts,
                                                                      uint64_t* __restrict__ streams) {
   if (static_cast<int>(blockIdx.x) < table_blocks) {
+    if (args.tables4 != nullptr) {
+      build_code_table4_block(args.qmap[blockIdx.x / kTable4Blocks], args.tables4 + blockIdx.x / kTable4Blocks,
+                              blockIdx.x % kTable4Blocks);
+      return;
+    }
     const int key = blockIdx.x / kTableBlocks;
     build_code_table_block(args.qmap[key], args.tables + key, blockIdx.x % kTableBlocks);
     return;
@@ -193,17 +201,13 @@ void launch(const StepArgs<Algo>& args, StateBits bits, bool norm_pass, int devi
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const bool eight_bit = bits == StateBits::k8;
   if (bits == StateBits::k4) {
-    const int64_t want = ceil_div(args.total_blocks, int64_t{kFourBitWarps});
-    const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t{sms} * 8)));
     if constexpr (has_update_norm<Algo>::value) {
       if (norm_pass) {
-        four_bit_update_norm_kernel<Algo, T><<<grid, kFourBitThreads, 0, stream>>>(args);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch_four_bit_norm<Algo, T>(args, sms, stream);
         return;
       }
     }
-    four_bit_step_kernel<Algo, T><<<grid, kFourBitThreads, 0, stream>>>(args);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_four_bit_step<Algo, T>(args, sms, device, stream);
     return;
   }
   if (eight_bit && !norm_pass) {
@@ -308,7 +312,8 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
                     const std::optional<at::Tensor>& lr, const SrArgs& sr) {
   const bool quantized = bits != StateBits::k32;
   const bool four_bit = bits == StateBits::k4;
-  const int64_t block_size = state_block_size(bits);
+  // the kernels' unit of work: a 4-bit step's warps take tiles of two 128-blocks
+  const int64_t block_size = four_bit && !norms.has_value() ? int64_t{kTile4} : state_block_size(bits);
   static_assert(Algo::kKeys <= kMaxKeys, "raise kMaxKeys");
   using Constants = typename Algo::Constants;
   const size_t n = params.size();
@@ -358,9 +363,9 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
         m.state[key] = states[key * n + i].data_ptr();
         m.absmax[key] = quantized ? absmax[key * n + i].data_ptr<float>() : nullptr;
       }
-      for (int j = 0; j < Algo::kMoments; ++j) {  // each moment's codes: 8-byte (4-bit: 2-byte) aligned
+      for (int j = 0; j < Algo::kMoments; ++j) {  // each moment's codes: 8-byte (4-bit: 4-byte) aligned
         if (four_bit) {
-          vec_ok = vec_ok && (addr(m.state[Algo::key_of(j)]) + Algo::stack_of(j) * packed_bytes(m.numel)) % 2 == 0;
+          vec_ok = vec_ok && (addr(m.state[Algo::key_of(j)]) + Algo::stack_of(j) * packed_bytes(m.numel)) % 4 == 0;
         } else {
           vec_ok = vec_ok && (addr(m.state[Algo::key_of(j)]) + Algo::stack_of(j) * m.numel) % 8 == 0;
         }
@@ -384,15 +389,19 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
   const auto* dmeta = reinterpret_cast<const TensorMeta*>(dev.data_ptr());
   const auto* dstarts = reinterpret_cast<const int64_t*>(static_cast<const uint8_t*>(dev.data_ptr()) + meta_bytes);
 
-  // Work buffer: [K code tables (8-bit steps)][stream per tensor (stochastic rounding)][constants per tensor].
+  // Work buffer: [K code tables (8-bit and 4-bit steps)][stream per tensor (stochastic rounding)][constants per tensor].
   const bool tables = bits == StateBits::k8 && !norms.has_value();
+  const bool tables4 = four_bit && !norms.has_value();
   const bool rounding = sr.on && !norms.has_value();
-  const size_t tables_bytes = tables ? Algo::kKeys * sizeof(CodeTable) : 0;
+  const size_t tables_bytes = tables    ? Algo::kKeys * sizeof(CodeTable)
+                              : tables4 ? Algo::kKeys * sizeof(CodeTable4)
+                                        : 0;
   const size_t streams_at = (tables_bytes + 15) / 16 * 16;
   const size_t consts_at = streams_at + (rounding ? total * sizeof(uint64_t) : 0);
   at::Tensor work = at::empty({static_cast<int64_t>(consts_at + total * sizeof(Constants))}, byte_opts);
   StepArgs<Algo> args{};
   args.tables = tables ? reinterpret_cast<CodeTable*>(work.data_ptr()) : nullptr;
+  args.tables4 = tables4 ? reinterpret_cast<CodeTable4*>(work.data_ptr()) : nullptr;
   auto* streams = rounding ? reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(work.data_ptr()) + streams_at) : nullptr;
   auto* consts = reinterpret_cast<Constants*>(static_cast<uint8_t*>(work.data_ptr()) + consts_at);
   for (int key = 0; key < Algo::kKeys; ++key) args.qmap[key] = quantized ? qmaps[key].data_ptr<float>() : nullptr;
@@ -409,7 +418,7 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
   }
   args.meta = dmeta;
 
-  const int table_blocks = tables ? Algo::kKeys * kTableBlocks : 0;
+  const int table_blocks = tables ? Algo::kKeys * kTableBlocks : tables4 ? Algo::kKeys * kTable4Blocks : 0;
   const int const_blocks = static_cast<int>(ceil_div(static_cast<int64_t>(total), int64_t{kTableThreads}));
   engine_setup_kernel<Algo><<<table_blocks + const_blocks, kTableThreads, 0, stream>>>(
       args, table_blocks, static_cast<int>(total), consts, streams);
