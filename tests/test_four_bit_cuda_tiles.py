@@ -51,7 +51,10 @@ def run_gpu(algorithm, params, grads, states, absmax, steps, qmaps, hyper, layou
 def step_both_ways(algorithm, sizes, dtype, seed, layout, sr_offsets=None, grad_scale=None, lr_tensor=False,
                    mixed=False, qmaps=None, nonfinite=False):
     """One step on the CPU and, from the same inputs, on the GPU with `layout` and aligned; checks
-    CPU == GPU (states bitwise, parameters within the bound) and GPU(layout) == GPU(aligned) bitwise."""
+    CPU == GPU (states bitwise, parameters within the bound) and GPU(layout) == GPU(aligned) bitwise.
+    With stochastic rounding (`sr_offsets`), some bf16 parameter of 64 elements or more must differ
+    from its rounding to nearest (each element does with probability about 1/4: the bound of
+    check_params, one ulp, cannot tell the two apart)."""
     stacks, kinds, hyper, takes_scales = ALGORITHMS[algorithm]
     gen = torch.Generator().manual_seed(seed)
     params, grads, states, absmax = make_states(stacks, kinds, sizes, gen, dtype, mixed)
@@ -77,6 +80,10 @@ def step_both_ways(algorithm, sizes, dtype, seed, layout, sr_offsets=None, grad_
     got = run_gpu(algorithm, params, grads, states, absmax, steps, qmaps, hyper, layout, kw, extra)
     ref_gpu = run_gpu(algorithm, params, grads, states, absmax, steps, qmaps, hyper, "aligned", kw, extra) \
         if layout != "aligned" else got
+    rounded = [i for i, p in enumerate(params) if p.dtype == torch.bfloat16 and p.numel() >= 64]
+    if extra and rounded:  # stochastic rounding was applied: rounding to nearest gives other bits
+        nearest = run_gpu(algorithm, params, grads, states, absmax, steps, qmaps, hyper, "aligned", kw, {})[0]
+        assert any(not torch.equal(got[0][i], nearest[i]) for i in rounded), "bf16 params rounded to nearest"
     _ops.quantized_step_(algorithm, params, grads, states, absmax, steps, qmaps, hyper, **kw, **extra)
     gp, gs, ga = got
     rp, rs, ra = ref_gpu

@@ -102,18 +102,20 @@ PAGEDOPT_HOST_DEVICE float saturate_abs(float x) {
   return a < 1.0f ? a : (a >= 1.0f ? 1.0f : 0.0f);  // NaN fails both comparisons
 }
 
-// The code of y = saturate_abs(x), x of sign `neg` (all ones when negative, else 0), from the table.
-PAGEDOPT_HOST_DEVICE uint32_t table4_code(const uint32_t* table, float y, uint32_t neg) {
+// The code of y = saturate_abs(x), x of sign `neg` (all ones when negative, else 0), in the top
+// byte of the sum (the kernel packs the top bytes of eight): table entry + y's low key bits.
+// `entry(i)` reads entry i of the table (host memory here, shared memory in the kernel).
+template <typename Entry>
+PAGEDOPT_HOST_DEVICE uint32_t table4_sum(Entry&& entry, float y, uint32_t neg) {
   const uint32_t u = f32_bits(y);
-  const uint32_t entry = table[(u >> kLowBits4) | (neg & kNegOffset4)];
-  return (entry + ((u ^ neg) & kLowMask4)) >> 24;
+  return entry((u >> kLowBits4) | (neg & kNegOffset4)) + ((u ^ neg) & kLowMask4);
 }
 
 // nearest_code4(code, s * inv) (inv >= +0) from a table whose entries are all valid: the host form
 // of what the kernel does (the product rounded once, as the kernel's saturating multiply does it).
 PAGEDOPT_HOST_DEVICE uint32_t fast_nearest_code4(const uint32_t* table, float s, float inv) {
   const float x = s * inv;
-  return table4_code(table, saturate_abs(x), sign_mask(s));
+  return table4_sum([table](uint32_t i) { return table[i]; }, saturate_abs(x), sign_mask(s)) >> 24;
 }
 
 }  // namespace cuda_detail

@@ -135,12 +135,10 @@ __device__ __forceinline__ void store_codes8_4(uint8_t* codes, int64_t i0, int v
   }
 }
 
-// The code of s * inv, before its top byte is taken: the table entry plus y's low key bits
-// (code_table4.cuh's table4_code, with the saturating multiply).
-__device__ __forceinline__ uint32_t table4_sum(uint32_t table, float s, float inv) {
-  const uint32_t u = __float_as_uint(mul_sat_abs(s, inv));
-  const uint32_t neg = sign_mask(s);
-  return lds_u32(table + 4 * ((u >> kLowBits4) | (neg & kNegOffset4))) + ((u ^ neg) & kLowMask4);
+// The code of s * inv in the top byte (code_table4.cuh's table4_sum, with the saturating multiply
+// and the table at shared address `table`).
+__device__ __forceinline__ uint32_t table4_code_sum(uint32_t table, float s, float inv) {
+  return table4_sum([table](uint32_t i) { return lds_u32(table + 4 * i); }, mul_sat_abs(s, inv), sign_mask(s));
 }
 
 // The codes of 8 values times inv, packed as 8 nibbles (value k in bits [4 k, 4 k + 4)): from the
@@ -151,7 +149,7 @@ __device__ __forceinline__ uint32_t nearest8_4(uint32_t table, const float* code
   if constexpr (kFast) {
     uint32_t e[kLane4];
 #pragma unroll
-    for (int k = 0; k < kLane4; ++k) e[k] = table4_sum(table, v[k], inv);
+    for (int k = 0; k < kLane4; ++k) e[k] = table4_code_sum(table, v[k], inv);
     // the top bytes (codes < 16) as bytes c0 | c1 << 8 | ..., then two codes per byte
     const uint32_t lo = top_bytes(e[0], e[1], e[2], e[3]);
     const uint32_t hi = top_bytes(e[4], e[5], e[6], e[7]);
