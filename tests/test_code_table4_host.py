@@ -37,10 +37,19 @@ static bool build(const float* code, CodeTable4& t) {
   return ok;
 }
 
+static long unsigned_checked = 0;
+
+// The search with sign, and (for a codebook4_unsigned codebook) the one without, whose saturation
+// may give either zero.
 static long check(const float* code, const CodeTable4& t, float s, float inv) {
-  const uint32_t got = fast_nearest_code4(t.entry, s, inv);
   const uint32_t want = nearest_code4(code, s * inv);
-  return got != want;
+  long bad = fast_nearest_code4(t.entry, s, inv) != want;
+  if (codebook4_unsigned(code)) {
+    bad += fast_nearest_code4_unsigned(t.entry, s, inv, false) != want;
+    bad += fast_nearest_code4_unsigned(t.entry, s, inv, true) != want;
+    ++unsigned_checked;
+  }
+  return bad;
 }
 
 // The smallest key whose code is >= j (binary search over all keys).
@@ -106,6 +115,8 @@ int main(int argc, char** argv) {
     bool fits = false;
     bad += check_codebook(code, step, rng, fits);
     maps_unfit += !fits;
+    // the first map (m's) is signed, the others (v's) may take the search without sign
+    wrongly_fit += codebook4_unsigned(code) != (f > 2);
   }
   for (int trial = 0; trial < 60; ++trial) {  // random sorted codebooks: those that fit must be exact
     float code[16];
@@ -115,6 +126,9 @@ int main(int argc, char** argv) {
     }
     if (trial % 5 == 4) for (int i = 0; i < 16; ++i) code[i] = std::ldexp((float)((int)(rng() % 9) - 4), -3);
     if (trial % 7 == 6) code[15] = 1.5f;  // a code beyond 1: a threshold in the top bucket, which cannot hold one
+    if (trial % 3 == 2) for (int i = 0; i < 16; ++i) code[i] = std::fabs(code[i]);  // without negative codes
+    if (trial % 9 == 8) code[0] = code[1] = 0.0f;  // +0 takes code 1, x < 0 code 0: not unsigned
+    if (trial % 9 == 5) code[0] = -0.5f;  // one negative code: not unsigned
     std::sort(code, code + 16);
     bool fits = false;
     bad += check_codebook(code, step * 97 + 1, rng, fits);
@@ -143,9 +157,18 @@ int main(int argc, char** argv) {
     code[15] = bits_f32(0x7f800000u);
     wrongly_fit += build(code, t);
   }
-  printf("search_mismatches=%ld maps_unfit=%ld random_fit=%ld random_unfit=%ld wrongly_fit=%ld\n", bad, maps_unfit,
-         random_fit, random_unfit, wrongly_fit);
-  return bad == 0 && maps_unfit == 0 && random_fit > 0 && wrongly_fit == 0 ? 0 : 1;
+  {  // equal zero codes (the search without sign would give x < 0 the code of +0), or one
+     // negative code (x < 0 may be nearer code 1 than code 0): signed searches
+    float code[16];
+    for (int i = 0; i < 16; ++i) code[i] = i < 2 ? 0.0f : i / 16.0f;
+    wrongly_fit += codebook4_unsigned(code);
+    code[0] = -0.5f;
+    code[1] = 1.0f / 16;
+    wrongly_fit += codebook4_unsigned(code);
+  }
+  printf("search_mismatches=%ld maps_unfit=%ld random_fit=%ld random_unfit=%ld wrongly_fit=%ld unsigned_checked=%ld\n",
+         bad, maps_unfit, random_fit, random_unfit, wrongly_fit, unsigned_checked);
+  return bad == 0 && maps_unfit == 0 && random_fit > 0 && wrongly_fit == 0 && unsigned_checked > 1000000 ? 0 : 1;
 }
 """
 

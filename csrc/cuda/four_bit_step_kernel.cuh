@@ -22,8 +22,9 @@
 // per element, and no shared-memory load); update() per element; the block's new absmax is one
 // maximum over its 16 lanes (two reductions of the warp); the 8 new codes come from the codebook's
 // search table (code_table4.cuh: a saturating multiply, a shared load and an add per value) in one
-// 4-byte store. A codebook that does not fit the table (a custom qmap) is searched with
-// nearest_code4 itself, as are the partial tiles. Every lane reads its block's old absmax before
+// 4-byte store (the last key's codebook, when it has no negative code, the maps of second moments:
+// by the search without sign, two instructions less per value). A codebook that does not fit the
+// table (a custom qmap) is searched with nearest_code4 itself, as are the partial tiles. Every lane reads its block's old absmax before
 // the group's reduction, and the group's first lane writes the new one after it, so nothing is
 // written before it is read; a lane reads and writes only its own code bytes.
 //
@@ -136,20 +137,23 @@ __device__ __forceinline__ void store_codes8_4(uint8_t* codes, int64_t i0, int v
 }
 
 // The code of s * inv in the top byte (code_table4.cuh's table4_sum, with the saturating multiply
-// and the table at shared address `table`).
+// and the table at shared address `table`); kSigned false: the search without sign, for a
+// codebook4_unsigned codebook.
+template <bool kSigned>
 __device__ __forceinline__ uint32_t table4_code_sum(uint32_t table, float s, float inv) {
-  return table4_sum([table](uint32_t i) { return lds_u32(table + 4 * i); }, mul_sat_abs(s, inv), sign_mask(s));
+  const auto entry = [table](uint32_t i) { return lds_u32(table + 4 * i); };
+  return kSigned ? table4_sum(entry, mul_sat_abs(s, inv), sign_mask(s)) : table4_sum(entry, mul_sat(s, inv), 0u);
 }
 
 // The codes of 8 values times inv, packed as 8 nibbles (value k in bits [4 k, 4 k + 4)): from the
-// search table (kFast), else by nearest_code4.
-template <bool kFast>
+// search table (kFast; kSigned as table4_code_sum), else by nearest_code4.
+template <bool kFast, bool kSigned>
 __device__ __forceinline__ uint32_t nearest8_4(uint32_t table, const float* code, const float (&v)[kLane4],
                                                float inv) {
   if constexpr (kFast) {
     uint32_t e[kLane4];
 #pragma unroll
-    for (int k = 0; k < kLane4; ++k) e[k] = table4_code_sum(table, v[k], inv);
+    for (int k = 0; k < kLane4; ++k) e[k] = table4_code_sum<kSigned>(table, v[k], inv);
     // the top bytes (codes < 16) as bytes c0 | c1 << 8 | ..., then two codes per byte
     const uint32_t lo = top_bytes(e[0], e[1], e[2], e[3]);
     const uint32_t hi = top_bytes(e[4], e[5], e[6], e[7]);
@@ -172,8 +176,9 @@ __device__ __forceinline__ uint32_t group_max16(uint32_t x, int group) {
 }
 
 // One tile for one lane (see the top). kFull: a full tile of an aligned tensor (vector accesses);
-// kFast: the codebooks fit their search tables.
-template <typename Algo, typename T, bool kFull, bool kFast>
+// kFast: the codebooks fit their search tables; kUnsignedLast (with kFast): the last key's codebook
+// takes the search without sign (codebook4_unsigned).
+template <typename Algo, typename T, bool kFull, bool kFast, bool kUnsignedLast = false>
 __device__ __forceinline__ void four_bit_tile(const TensorMeta& m, const typename Algo::Constants& c, int64_t tile,
                                               int lane, float inv_scale, const ParamRounding& rounding) {
   constexpr int M = Algo::kMoments;
@@ -236,8 +241,11 @@ __device__ __forceinline__ void four_bit_tile(const TensorMeta& m, const typenam
 #pragma unroll
     for (int k = 0; k < kLane4; ++k) col[k] = s[k][j];
     const int key = Algo::key_of(j);
-    store_codes8_4<kFull>(moment_codes4<Algo>(m, j), i0, valid,
-                          nearest8_4<kFast>(smem4_table(key), smem4_code<K>(key), col, absmax_reciprocal(mx[j])));
+    const float inv = absmax_reciprocal(mx[j]);
+    const uint32_t q = kUnsignedLast && key == K - 1  // (decided at compile time: the loop is unrolled)
+                           ? nearest8_4<kFast, false>(smem4_table(key), smem4_code<K>(key), col, inv)
+                           : nearest8_4<kFast, true>(smem4_table(key), smem4_code<K>(key), col, inv);
+    store_codes8_4<kFull>(moment_codes4<Algo>(m, j), i0, valid, q);
   }
   if (lane % kGroup4 == 0 && has_block) {
 #pragma unroll
@@ -271,7 +279,7 @@ __device__ __forceinline__ void prefetch_tile4(const TensorMeta& m, int64_t tile
 // The walk of warp w (see the top). kSr: bf16 parameters rounded stochastically, in a loop of its
 // own (its hashes need registers that the loop without it keeps for its own values).
 template <typename Algo, typename T, bool kSr>
-__device__ __forceinline__ void four_bit_warp_loop(const StepArgs<Algo>& args, bool fast) {
+__device__ __forceinline__ void four_bit_warp_loop(const StepArgs<Algo>& args, bool fast, bool unsigned_last) {
   const int lane = threadIdx.x % kWarp;
   const int warp = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   const int warps = gridDim.x * (blockDim.x / kWarp);
@@ -292,7 +300,9 @@ __device__ __forceinline__ void four_bit_warp_loop(const StepArgs<Algo>& args, b
     const ParamRounding rounding = kSr ? ParamRounding{args.sr_streams + t, m.sr_offset} : ParamRounding{nullptr, 0};
     const auto& c = args.consts[t];
     if (m.vec_ok != 0 && (tile + 1) * kTile4 <= m.numel) {  // warp-uniform, as `fast`
-      if (fast) {
+      if (fast && unsigned_last) {
+        four_bit_tile<Algo, T, true, true, true>(m, c, tile, lane, inv_scale, rounding);
+      } else if (fast) {
         four_bit_tile<Algo, T, true, true>(m, c, tile, lane, inv_scale, rounding);
       } else {
         four_bit_tile<Algo, T, true, false>(m, c, tile, lane, inv_scale, rounding);
@@ -320,13 +330,14 @@ __global__ void __launch_bounds__(four_bit_threads<Algo>(), 1) four_bit_step_ker
     codes[i] = args.qmap[i / kCodebookSize4][i % kCodebookSize4];
   }
   const bool fast = __syncthreads_and(ok) != 0;
+  const bool unsigned_last = codebook4_unsigned(codes + (K - 1) * kCodebookSize4);
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (args.sr_streams != nullptr) {  // as param_rounding: stochastic rounding of bf16 parameters
-      four_bit_warp_loop<Algo, T, true>(args, fast);
+      four_bit_warp_loop<Algo, T, true>(args, fast, unsigned_last);
       return;
     }
   }
-  four_bit_warp_loop<Algo, T, false>(args, fast);
+  four_bit_warp_loop<Algo, T, false>(args, fast, unsigned_last);
 }
 
 // The step's launch: one block per SM at most (dynamic shared memory opted in once per device).
