@@ -149,13 +149,19 @@ def _custom_codebooks(kind):
         code = torch.linspace(-1, 1, 16)
         code[-1] = 1.5
         return code
+    if kind == "nonneg":  # no negative code: the search without sign, here also for signed moments
+        return torch.linspace(1 / 16, 1, 16)
+    if kind == "two_zeros":  # no negative code but two zeros: +0 takes code 1, x < 0 code 0: signed search
+        return torch.cat([torch.zeros(2), torch.linspace(2 / 16, 1, 14)])
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["linear", "crowded", "beyond_one"])
+@pytest.mark.parametrize("kind", ["linear", "crowded", "beyond_one", "nonneg", "two_zeros"])
 @pytest.mark.parametrize("algorithm", ["adam", "lion"])
 def test_codebooks_that_do_or_do_not_fit_the_search_table(kind, algorithm):
-    """The table search or its fallback (nearest_code4 on full tiles): the CPU's codes either way."""
+    """The table search or its fallback (nearest_code4 on full tiles): the CPU's codes either way.
+    The search without sign (a last key whose codebook has no negative code) sees negative values
+    only where such a codebook holds a signed moment: Lion's m."""
     stacks, kinds, _, _ = ALGORITHMS[algorithm]
     code = _custom_codebooks(kind)
     qmaps = [code.clone() for _ in kinds]
