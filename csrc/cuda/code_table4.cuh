@@ -52,7 +52,9 @@ struct alignas(16) CodeTable4 {
   uint32_t entry[kBucketEntries4];
 };
 
-PAGEDOPT_HOST_DEVICE uint32_t code_rank4(const float* code, uint32_t key) { return nearest_code4(code, key_float(key)); }
+PAGEDOPT_HOST_DEVICE uint32_t code_rank4(const float* code, uint32_t key) {
+  return nearest_code4(code, key_float(key));
+}
 
 // Finite and non-decreasing: the condition under which the table can be exact.
 PAGEDOPT_HOST_DEVICE bool codebook4_entry_ok(const float* code, int i) {

@@ -24,9 +24,16 @@
 // search table (code_table4.cuh: a saturating multiply, a shared load and an add per value) in one
 // 4-byte store (the last key's codebook, when it has no negative code, the maps of second moments:
 // by the search without sign, two instructions less per value). A codebook that does not fit the
-// table (a custom qmap) is searched with nearest_code4 itself, as are the partial tiles. Every lane reads its block's old absmax before
-// the group's reduction, and the group's first lane writes the new one after it, so nothing is
-// written before it is read; a lane reads and writes only its own code bytes.
+// table (a custom qmap) is searched with nearest_code4 itself, as are the partial tiles. Every
+// lane reads its block's old absmax before the group's reduction, and the group's first lane
+// writes the new one after it, so nothing is written before it is read; a lane reads and writes
+// only its own code bytes.
+//
+// Cost (sm_90 SASS of Adam, a full tile, bf16 parameters): about 450 instructions per lane and
+// tile, 56 per element, against 64 for the 8-bit kernel's full block (the old 4-bit kernel, a warp
+// per 128-block with a binary search of the codebook per value, took about 150); no spills but in
+// the loop of stochastic rounding (and a few reloads of loop invariants per tile with fp32 and
+// three moments).
 //
 // Bit for bit as the CPU: code * absmax and x * (1 / absmax) are each rounded once (__fmul_rn, and
 // the table search returns nearest_code4 of the rounded product), the update is the same functor,

@@ -389,7 +389,8 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
   const auto* dmeta = reinterpret_cast<const TensorMeta*>(dev.data_ptr());
   const auto* dstarts = reinterpret_cast<const int64_t*>(static_cast<const uint8_t*>(dev.data_ptr()) + meta_bytes);
 
-  // Work buffer: [K code tables (8-bit and 4-bit steps)][stream per tensor (stochastic rounding)][constants per tensor].
+  // Work buffer: [K code tables (8-bit and 4-bit steps)][stream per tensor (stochastic rounding)]
+  // [constants per tensor].
   const bool tables = bits == StateBits::k8 && !norms.has_value();
   const bool tables4 = four_bit && !norms.has_value();
   const bool rounding = sr.on && !norms.has_value();
