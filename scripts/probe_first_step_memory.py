@@ -22,7 +22,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-sys.path.insert(0, ROOT)
+sys.path.append(ROOT)  # after PYTHONPATH: PYTHONPATH=<another tree> probes that tree's pagedopt
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -89,7 +89,7 @@ def run_one(mode: str, layers: int, batch: int, smoke: bool) -> dict:
                                   for k, v in _segments_by_stream().items()})
         rec["loss"] = float(loss)
         steps.append(rec)
-    return {"mode": mode, "layers": cfg.layers, "batch": cfg.batch, "steps": steps}
+    return {"mode": mode, "layers": cfg.layers, "batch": cfg.batch, "pagedopt": pagedopt.__file__, "steps": steps}
 
 
 def main() -> int:
