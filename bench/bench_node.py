@@ -173,14 +173,14 @@ def _shapes(smoke: bool):
 def _params(shapes, world, rank, set_name, dtype, device, mesh):
     """Parameters (and random gradients) of this rank: plain at one rank, else DTensor shards by
     rows of ``set_name``'s global tensors."""
-    g = torch.Generator(device="cpu").manual_seed(rank)
+    g = torch.Generator(device=device).manual_seed(rank)  # drawn where they live: 2 x 1.1B values a rank
     params = []
     for _, shape in shapes:
         rows = shape[0] // world if set_name == "fixed_model" else shape[0]
         if set_name == "fixed_model" and shape[0] % world:
             raise ValueError(f"a tensor of {shape} does not split into {world} equal shards")
-        local = (torch.randn((rows, *shape[1:]), generator=g) * 0.02).to(device, dtype)
-        grad = (torch.randn((rows, *shape[1:]), generator=g) * 1e-2).to(device, dtype)
+        local = (torch.randn((rows, *shape[1:]), generator=g, device=device) * 0.02).to(dtype)
+        grad = (torch.randn((rows, *shape[1:]), generator=g, device=device) * 1e-2).to(dtype)
         if world > 1:
             from torch.distributed.tensor import DTensor, Shard
             glob = (rows * world, *shape[1:])
@@ -220,10 +220,11 @@ def step_worker(args) -> None:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     records = []
     for set_name in args.sets.split(","):
+        params = _params(_shapes(args.smoke), world, rank, set_name, dtype, device, mesh)  # every row steps these
+        local = sum((p._local_tensor if world > 1 else p).numel() for p in params)
         for row in args.rows.split(","):
-            params = _params(_shapes(args.smoke), world, rank, set_name, dtype, device, mesh)
-            local = sum((p._local_tensor if world > 1 else p).numel() for p in params)
             rec = {"set": set_name, "row": row, "world": world, "rank": rank, "local_params": local}
+            opt = None
             try:
                 opt = _optimizer(row, params, device)
                 _barrier(device)
@@ -242,14 +243,15 @@ def step_worker(args) -> None:
                     rec["link_h2d"], rec["link_d2h"] = stats.page_in_bytes_last_step, stats.page_out_bytes_last_step
                 if device.type == "cuda":
                     rec["max_allocated"] = torch.cuda.max_memory_allocated(device)
-                del opt
             except Exception as exc:  # noqa: BLE001 - recorded; the other rows still run
                 rec["error"] = C.short_error(exc)
-            del params
+            opt = None  # its states go before the next row's are made
             C.free_memory()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             records.append(rec)
+        del params
+        C.free_memory()
     gathered = [None] * world
     dist.all_gather_object(gathered, {"records": records, "copy_gbps": copy.get("gbps"), "env": C.env_info(device)})
     if rank == 0:

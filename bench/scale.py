@@ -27,6 +27,7 @@ memory than is free. Refused configurations are recorded as such, never run.
     python bench/scale.py --rows pagedopt_paged_adamw8bit_host --shapes 13b --dtypes bf16   # one config
     python bench/scale.py --rows torch_adamw_fused,pagedopt_adamw8bit --shapes 7b:fp32,13b:bf16
     python bench/scale.py --smoke --out /tmp/s                            # tiny, CPU, seconds (CI)
+    python bench/scale.py --gpus 8 --seq 2048 --dtypes bf16 --rows pagedopt_paged_adamw8bit_host   # FSDP2, the node
 
 Writes scale.json, scale.md (the tables) and scale.png (step time against model size, per row).
 GB = 1e9 bytes, GiB = 2^30 bytes.
