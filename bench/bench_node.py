@@ -52,7 +52,7 @@ sys.path.append(os.path.dirname(HERE))  # the repo root, after any installed pag
 import torch  # noqa: E402
 
 import common as C  # noqa: E402
-from scale_fsdp import leave  # noqa: E402
+from scale_fsdp import leave, run_graceful  # noqa: E402
 from step_specs import floor_bytes_per_param  # noqa: E402
 
 GiB = 1 << 30
@@ -266,7 +266,7 @@ def torchrun(nproc: int, argv: list[str], timeout: float) -> Optional[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            os.path.abspath(__file__), *argv]
     try:
-        proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, timeout=timeout)
+        proc = run_graceful(cmd, timeout, stderr=subprocess.PIPE)  # torchrun, terminated, ends its workers
     except subprocess.TimeoutExpired:
         return f"timed out after {timeout:.0f} s"
     if proc.returncode:

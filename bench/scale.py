@@ -245,7 +245,7 @@ def run_child(argv_base: list[str], row: str, shape: str, dtype: str, out_path: 
            f"{row}:{shape}:{dtype}", "--child-out", out_path]
     base = {"row": row, "shape": shape, "dtype": dtype}
     try:
-        proc = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True, timeout=timeout_s)
+        proc = SF.run_graceful(cmd, timeout_s, stdout=None, stderr=subprocess.PIPE)  # torchrun ends its workers
     except subprocess.TimeoutExpired:  # FSDP2: ranks that failed alone left their records
         return dict(base, **(SF.salvage(out_path) or dict(status="timeout", reason=f"timed out after {timeout_s:.0f} s")))
     if proc.returncode != 0 or not os.path.exists(out_path):

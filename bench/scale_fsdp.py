@@ -43,6 +43,24 @@ def launcher(nproc: int) -> list:
     return ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
 
 
+def run_graceful(cmd: list, timeout_s: float, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run, but a child cut short (its timeout, or this process interrupted) gets SIGTERM
+    first: torchrun's workers run in sessions of their own, and only torchrun, when terminated,
+    ends them; killed outright it would leave them on the GPUs. TimeoutExpired as subprocess.run."""
+    proc = subprocess.Popen(cmd, text=True, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def plan_node(settings: dict, nproc: int) -> None:
     """A plan of the whole model made per GPU, in place: the managed memory, the link's bytes, the
     states and the budget of one rank; the page-locked memory of all ranks (one host slab each)."""
@@ -168,7 +186,7 @@ def measure_link(nproc: int, timeout_s: float = 300.0) -> dict:
     folder = tempfile.mkdtemp(prefix="scale_node_link_")
     cmd = [sys.executable, os.path.join(HERE, "bench_node.py"), "link", "--nproc", str(nproc), "--out", folder]
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=timeout_s)
+        proc = run_graceful(cmd, timeout_s, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     except subprocess.TimeoutExpired:
         return {"skipped": f"bench_node.py link timed out ({timeout_s:.0f} s)"}
     path = os.path.join(folder, "node_link.json")

@@ -170,3 +170,20 @@ def test_merge_and_salvage(tmp_path):
     assert SF.salvage(out)["status"] == "error"  # rank 1 never reported
     assert SF.nproc_of(["--steps", "5", "--gpus", "8"]) == 8 and SF.nproc_of([]) == 1
     assert SF.launcher(1) == [] and "--nproc-per-node=4" in SF.launcher(4)
+
+
+def test_a_child_cut_short_is_terminated_not_killed(tmp_path):
+    """torchrun, terminated (SIGTERM), ends the workers it started in sessions of their own; killed
+    (SIGKILL) it would leave them on the GPUs. A child past its time gets SIGTERM first."""
+    import subprocess
+    import time
+
+    flag = tmp_path / "terminated"
+    child = ("import signal, sys, time\n"
+             f"signal.signal(signal.SIGTERM, lambda *a: (open({str(flag)!r}, 'w').close(), sys.exit(0)))\n"
+             "print('ready', flush=True)\n"
+             "time.sleep(60)\n")
+    t0 = time.perf_counter()
+    with pytest.raises(subprocess.TimeoutExpired):
+        SF.run_graceful([sys.executable, "-c", child], 3.0, stdout=subprocess.PIPE)
+    assert flag.exists() and time.perf_counter() - t0 < 30
