@@ -318,6 +318,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-stop", action="store_true", help="go on up a row after an OOM")
     ap.add_argument("--managed-limit", default="16GiB", help="largest managed-memory states run (device safety)")
     ap.add_argument("--pinned-limit", default="100GiB", help="most page-locked host memory a config may need")
+    ap.add_argument("--host-available", default=None, help="host memory a config may use (default: MemAvailable; "
+                    "for a machine whose MemAvailable grows as memory is used)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration's process")
     ap.add_argument("--time-budget", type=float, default=None, help="start no configuration after this many seconds")
     ap.add_argument("--assume-link", default=None, metavar="H2D,D2H,BOTH",
@@ -341,7 +343,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.device_buffer_bytes = parse_size(args.device_buffer, "--device-buffer")
         R.budget_bytes(1, args.budget)  # a bad --budget is refused here, not in the middle of the grid
         limits = {"managed": parse_size(args.managed_limit, "--managed-limit"),
-                  "pinned": parse_size(args.pinned_limit, "--pinned-limit"), "host_available": host_available()}
+                  "pinned": parse_size(args.pinned_limit, "--pinned-limit"),
+                  "host_available": parse_size(args.host_available, "--host-available") if args.host_available
+                  else host_available()}
         configs = parse_configs(args.shapes, args.dtypes if not args.smoke or args.dtypes != "bf16,fp32" else "fp32",
                                 args.smoke, args.nproc > 1)
         rates = report.parse_rates(args.assume_link)
@@ -409,7 +413,7 @@ def run_parent(args, names, configs, device, limits, rates) -> int:
         signal.signal(signal.SIGTERM, previous)
     shutil.rmtree(children, ignore_errors=True)
     if link is not None:
-        if "interrupted" not in doc:
+        if "interrupted" not in doc and args.nproc == 1:  # (on a node the measure takes a torchrun: once)
             link["after"] = measure_link(device, args.nproc)
             link["after"].pop("env", None)
         rates = report.rates_from(link)

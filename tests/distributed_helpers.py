@@ -2,6 +2,7 @@
 rank (torch.multiprocessing.spawn, a file store), and comparisons across ranks."""
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import tempfile
@@ -41,7 +42,10 @@ def _entry(rank: int, world: int, backend: str, init_method: str, scenario, args
         device = torch.device("cuda", rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    # a collective that waits longer than this on a rank that died or hangs fails instead of waiting
+    # for the stage's timeout (NCCL's default is 10 minutes, gloo's 30)
+    timeout = datetime.timedelta(seconds=float(os.environ.get("PAGEDOPT_DIST_TIMEOUT_S", "300")))
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
     try:
         scenario(rank, world, device, *args)
         dist.barrier()  # no rank tears down while another is still in a collective (gloo aborts then)
