@@ -187,3 +187,33 @@ def test_a_child_cut_short_is_terminated_not_killed(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         SF.run_graceful([sys.executable, "-c", child], 3.0, stdout=subprocess.PIPE)
     assert flag.exists() and time.perf_counter() - t0 < 30
+
+
+def test_multigpu_check_skips_below_two_gpus(tmp_path):
+    """scripts/multigpu_check.sh on a machine with fewer than 2 GPUs: says so, exits 0, builds nothing;
+    its stages' pytest selections name tests that exist (collected, skipped here without GPUs)."""
+    import re
+    import subprocess
+
+    script = os.path.join(ROOT, "scripts", "multigpu_check.sh")
+    env = dict(os.environ, OUT=str(tmp_path), HOME=str(tmp_path), MULTIGPU_FAKE_GPUS="1")
+    proc = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "skipped: needs >= 2 GPUs (found 1)" in proc.stdout
+    assert (tmp_path / "summary.txt").read_text().startswith("skipped: needs >= 2 GPUs")
+    assert not (tmp_path / "pagedopt-multigpu").exists()
+    text = open(script).read()
+    selections = {}
+    for stage in ("nccl", "agree", "reshard"):
+        call = re.search(rf'run_pytest {stage} "[^"]*" -- (.*?)\n(?!    )', text, re.S).group(1)
+        args = [a.strip('"') for a in re.findall(r'"[^"]*"|\S+', call.replace("\\\n", " "))]
+        keyword = args[args.index("-k") + 1] if "-k" in args else None
+        selections[stage] = ([a for a in args if a.startswith("tests/")], keyword)
+    files = sorted({f for fs, _ in selections.values() for f in fs})
+    out = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider", "--collect-only",
+                          "-q", *files], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    ids = [x for x in out.splitlines() if "::" in x]
+    for stage, expected in (("nccl", 15), ("agree", 3), ("reshard", 3)):
+        fs, keyword = selections[stage]  # -k with words joined by "or", as the script writes them
+        chosen = [i for i in ids if i.split("::")[0] in fs and (keyword is None or any(
+            w in i.split("::")[1] for w in keyword.split(" or ")))]
+        assert len(chosen) == expected, (stage, fs, keyword, chosen)
