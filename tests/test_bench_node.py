@@ -42,11 +42,13 @@ def _states_8bit(local: int, whole: int) -> int:
 
 def test_node_step_smoke(tmp_path):
     rows = "pagedopt_adamw8bit,pagedopt_paged_adamw8bit_host"
-    assert N.main(["step", "--smoke", "--rows", rows, "--warmup", "1", "--repeat", "3", "--out", str(tmp_path)]) == 0
+    # 2 ranks only (a torchrun costs seconds here); the plain tensors of 1 GPU run on the device
+    assert N.main(["step", "--smoke", "--worlds", "2", "--rows", rows, "--warmup", "1", "--repeat", "3",
+                   "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "node_step.json").read_text())
-    assert sorted(doc["worlds"]) == ["1", "2"]
+    assert sorted(doc["worlds"]) == ["2"]
     shapes = N._shapes(True)
-    for world in (1, 2):
+    for world in (2,):
         ranks = doc["worlds"][str(world)]["ranks"]
         assert len(ranks) == world
         for rank, got in enumerate(ranks):
