@@ -9,7 +9,8 @@ Two sources of moments:
     for T steps; its exp_avg / exp_avg_sq of every weight.
 Two measurements:
   * one-shot: the fp32 moments after T steps quantized once (m with the candidate map, v with the
-    unsigned no-zero linear map, or the unsigned dynamic map, which has a zero: "v_map=de0"):
+    unsigned no-zero linear map, the unsigned dynamic map, which has a zero, "v_map=de0", or that
+    map with its zero code replaced by half its smallest positive one, "v_map=de0_floor"):
     ||deq(q(x)) - x|| / ||x|| for m and v, and for the update u = m_hat / (sqrt(v_hat) + eps)
     with m alone quantized (u_m_err) and with both (u_err);
   * trajectory (walk only): Adam run T steps with its states stored in 4 bits after every step
@@ -62,7 +63,13 @@ def signed_maps() -> dict[str, torch.Tensor]:
 
 
 def v_maps() -> dict[str, torch.Tensor]:
-    return {"linear_no_zero": linear_codebook_4bit_no_zero(), "de0": dynamic_codebook_4bit(False)}
+    """The second moment's candidates: the no-zero linear map (the default), the unsigned dynamic
+    map (with a zero: it blows the update up) and that map with its zero replaced by half its
+    smallest positive code ("de0_floor", what the 8-bit map of v does)."""
+    floor = dynamic_codebook_4bit(False)
+    floor[0] = floor[1] / 2
+    return {"linear_no_zero": linear_codebook_4bit_no_zero(), "de0": dynamic_codebook_4bit(False),
+            "de0_floor": floor}
 
 
 def roundtrip(x: torch.Tensor, code: torch.Tensor, block: int) -> torch.Tensor:
@@ -171,7 +178,7 @@ def main(argv=None):
     m, v = mlp_moments(args.steps)
     results["mlp_one_shot"] = one_shot(m, v, args.steps, maps, vmaps, BLOCKS)
     traj = []
-    for vname in ("fp32", "linear_no_zero"):
+    for vname in ("fp32", "linear_no_zero", "de0_floor"):
         for block in BLOCKS:
             for name, code in maps.items():
                 code_v = vmaps.get(vname)

@@ -96,6 +96,35 @@ def read_torchao(opt, p) -> States:
     return tuple(out)
 
 
+# --------------------------------------------------------------------------- candidate formats
+def _adamw4bit_v_floor():
+    """pagedopt's AdamW4bit with a candidate map of v: the unsigned dynamic 4-bit map with its zero
+    code replaced by half its smallest positive one (bench_maps4's "de0_floor"), the 8-bit map of v
+    made the same way. Through ``codebooks_on``, the public choice of a format's maps."""
+    import pagedopt
+    from pagedopt import quant
+
+    class AdamW4bitVFloor(pagedopt.AdamW4bit):
+        def codebooks_on(self, device, fmt=None):
+            signed, unsigned = super().codebooks_on(device, fmt) if fmt is not None else super().codebooks_on(device)
+            if unsigned.numel() != 16:
+                return signed, unsigned
+            floors = self.__dict__.setdefault("_v_floor", {})
+            if device not in floors:
+                code = quant.dynamic_codebook_4bit(False, device)
+                code[0] = code[1] / 2
+                floors[device] = (signed, code)
+            return floors[device]
+
+    return AdamW4bitVFloor
+
+
+def __getattr__(name: str):  # the candidate classes, made when a row looks them up (pagedopt imported then)
+    if name == "AdamW4bitVFloor":
+        return _adamw4bit_v_floor()
+    raise AttributeError(name)
+
+
 # --------------------------------------------------------------------------- the rows
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -133,6 +162,8 @@ ROWS = {r.name: r for r in (
     # below any format's, whose paired d is the divergence of two nearly equal trajectories alone
     Row("pagedopt_32bit", "pagedopt:AdamW32bit", read_blockwise, "pagedopt", 32),
     Row("fp32_nudged", "torch.optim:AdamW", read_torch, "torch", 32, kwargs=(("betas", (0.9, 0.999001)),)),
+    # a candidate 4-bit map of v (bench/RESULTS.md, "4-bit maps"), beside pagedopt_4bit
+    Row("pagedopt_4bit_vfloor", "quality_rows:AdamW4bitVFloor", read_blockwise, "pagedopt", 4),
 )}
 DEFAULT_ROWS = ("fp32", "fp32_nudged", "pagedopt_8bit", "pagedopt_4bit", "bnb_8bit", "torchao_8bit", "torchao_4bit")
 SMOKE_ROWS = ("fp32", "pagedopt_8bit")

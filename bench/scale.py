@@ -27,6 +27,7 @@ memory than is free. Refused configurations are recorded as such, never run.
     python bench/scale.py --rows pagedopt_paged_adamw8bit_host --shapes 13b --dtypes bf16   # one config
     python bench/scale.py --rows torch_adamw_fused,pagedopt_adamw8bit --shapes 7b:fp32,13b:bf16
     python bench/scale.py --smoke --out /tmp/s                            # tiny, CPU, seconds (CI)
+    python bench/scale.py --gpus 8 --seq 2048 --dtypes bf16 --rows pagedopt_paged_adamw8bit_host   # FSDP2, the node
 
 Writes scale.json, scale.md (the tables) and scale.png (step time against model size, per row).
 GB = 1e9 bytes, GiB = 2^30 bytes.
@@ -53,6 +54,7 @@ sys.path.append(os.path.dirname(HERE))  # the repo root, after any installed pag
 import common as C  # noqa: E402
 import scale_model as M  # noqa: E402
 import scale_report as report  # noqa: E402
+import scale_fsdp as SF  # noqa: E402
 import scale_rows as R  # noqa: E402
 
 GiB = 1 << 30
@@ -113,8 +115,9 @@ def host_state_bytes(opt) -> int:
                for k, t in st.items() if k in ("state1", "state2", "absmax1", "absmax2") and isinstance(t, torch.Tensor))
 
 
-def run_config(row: R.Row, shape: M.Shape, dtype: str, device: torch.device, settings: dict) -> dict:
-    """Train ``settings['steps']`` steps; the record (status ok, oom, refused or error)."""
+def run_config(row: R.Row, shape: M.Shape, dtype: str, device: torch.device, settings: dict, build=None) -> dict:
+    """Train ``settings['steps']`` steps; the record (status ok, oom, refused or error). ``build``:
+    what makes the model (scale_model.build; scale_fsdp.build shards it)."""
     cuda = device.type == "cuda"
     rec = {"row": row.name, "shape": shape.name, "dtype": dtype, "params": M.param_count(shape)}
     inject = settings.get("inject_oom")
@@ -135,7 +138,7 @@ def run_config(row: R.Row, shape: M.Shape, dtype: str, device: torch.device, set
     times, losses, link = [], [], []
     try:
         at("build")
-        model = M.build(shape, M.DTYPES[dtype], device, checkpointing=settings["checkpointing"])
+        model = (build or M.build)(shape, M.DTYPES[dtype], device, checkpointing=settings["checkpointing"])
         at("optimizer")
         opt = row.make(list(model.parameters()), device, settings)
         managed = managed_on_gpu(row, opt, settings)
@@ -219,9 +222,9 @@ def host_available() -> Optional[int]:
     return None
 
 
-def parse_configs(shapes: str, dtypes: str, smoke: bool) -> list[tuple[str, str]]:
+def parse_configs(shapes: str, dtypes: str, smoke: bool, node: bool = False) -> list[tuple[str, str]]:
     """(shape, dtype) in the order given: ``7b:fp32`` alone, or a shape with every --dtypes."""
-    names = [s for s in shapes.split(",") if s] or list(M.SMOKE_LADDER if smoke else M.LADDER)
+    names = [s for s in shapes.split(",") if s] or list(M.SMOKE_LADDER if smoke else M.NODE_LADDER if node else M.LADDER)
     dts = [d for d in dtypes.split(",") if d]
     out = []
     for dt in dts:
@@ -238,25 +241,29 @@ def parse_configs(shapes: str, dtypes: str, smoke: bool) -> list[tuple[str, str]
 
 
 def run_child(argv_base: list[str], row: str, shape: str, dtype: str, out_path: str, timeout_s: float) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), *argv_base, "--child", f"{row}:{shape}:{dtype}",
-           "--child-out", out_path]
+    cmd = [sys.executable, *SF.launcher(SF.nproc_of(argv_base)), os.path.abspath(__file__), *argv_base, "--child",
+           f"{row}:{shape}:{dtype}", "--child-out", out_path]
     base = {"row": row, "shape": shape, "dtype": dtype}
     try:
-        proc = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return dict(base, status="timeout", reason=f"timed out after {timeout_s:.0f} s")
+        proc = SF.run_graceful(cmd, timeout_s, stdout=None, stderr=subprocess.PIPE)  # torchrun ends its workers
+    except subprocess.TimeoutExpired:  # FSDP2: ranks that failed alone left their records
+        return dict(base, **(SF.salvage(out_path) or dict(status="timeout", reason=f"timed out after {timeout_s:.0f} s")))
     if proc.returncode != 0 or not os.path.exists(out_path):
         tail = (proc.stderr or "").strip().splitlines()[-3:]
-        return dict(base, status="error", error=f"exit {proc.returncode}: " + " | ".join(tail)[-300:])
+        return dict(base, **(SF.salvage(out_path) or dict(status="error", error=f"exit {proc.returncode}: "
+                                                          + " | ".join(tail)[-300:])))
     import json
     with open(out_path) as f:
         return json.load(f)
 
 
-def measure_link(device) -> dict:
+def measure_link(device, nproc: int = 1) -> dict:
     """Pinned copies of 1 GiB each way and both ways at once (bench/common.py pinned_bandwidth), in a
-    process of its own: this one keeps no CUDA context, which would take GPU memory from the children."""
+    process of its own: this one keeps no CUDA context, which would take GPU memory from the children.
+    On several GPUs, each GPU's rates with all copying at once (scale_fsdp.measure_link)."""
     import json
+    if nproc > 1:
+        return SF.measure_link(nproc)
     folder = tempfile.mkdtemp(prefix="scale_link_")
     path = os.path.join(folder, "link.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--device", str(device), "--child-link", path]
@@ -280,8 +287,8 @@ def plan_config(row: R.Row, shape: M.Shape, dtype: str, args, limits: dict) -> t
     from pagedopt.memory import predict_modes, streamed_bytes
     settings = {"states_bytes": e8.state_bytes, "budget_bytes": R.budget_bytes(streamed_bytes(e8), args.budget)}
     need = R.demands(row, e8, settings)
-    pred = None
-    if row.estimator is not None:
+    pred, nproc = None, getattr(args, "nproc", 1)
+    if row.estimator is not None and nproc == 1:
         opt_name, mode = row.estimator
         e = e8 if opt_name == "paged_adamw_8bit" else M.estimate(shape, opt_name, dtype, args.batch, args.seq, ckpt,
                                                                    autocast)
@@ -289,6 +296,8 @@ def plan_config(row: R.Row, shape: M.Shape, dtype: str, args, limits: dict) -> t
                               capacity=getattr(args, "device_total", None))  # 'auto' needs the GPU's size
         pred = next((p for p in preds if p.mode == mode), None)
     settings.update(need=need, prediction=None if pred is None else pred.as_dict())
+    if nproc > 1:  # per GPU, FSDP2 across the node
+        SF.plan_node(settings, nproc)
     return settings, R.refusal(row, need, limits)
 
 
@@ -309,6 +318,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-stop", action="store_true", help="go on up a row after an OOM")
     ap.add_argument("--managed-limit", default="16GiB", help="largest managed-memory states run (device safety)")
     ap.add_argument("--pinned-limit", default="100GiB", help="most page-locked host memory a config may need")
+    ap.add_argument("--host-available", default=None, help="host memory a config may use (default: MemAvailable; "
+                    "for a machine whose MemAvailable grows as memory is used)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration's process")
     ap.add_argument("--time-budget", type=float, default=None, help="start no configuration after this many seconds")
     ap.add_argument("--assume-link", default=None, metavar="H2D,D2H,BOTH",
@@ -317,6 +328,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--inject-oom", default=None, metavar="SHAPE:PHASE", help="raise an OOM at PHASE (build, "
                     "optimizer, forward, backward, step) of SHAPE's configs (tests)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (CI)")
+    ap.add_argument("--gpus", dest="nproc", type=int, default=1, help="FSDP2 across this many GPUs, one process each (torchrun; "
+                    "bench/scale_fsdp.py); default shapes then " + ",".join(M.NODE_LADDER))
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=None, help="folder for scale.json, scale.md and scale.png")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -330,9 +343,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.device_buffer_bytes = parse_size(args.device_buffer, "--device-buffer")
         R.budget_bytes(1, args.budget)  # a bad --budget is refused here, not in the middle of the grid
         limits = {"managed": parse_size(args.managed_limit, "--managed-limit"),
-                  "pinned": parse_size(args.pinned_limit, "--pinned-limit"), "host_available": host_available()}
+                  "pinned": parse_size(args.pinned_limit, "--pinned-limit"),
+                  "host_available": parse_size(args.host_available, "--host-available") if args.host_available
+                  else host_available()}
         configs = parse_configs(args.shapes, args.dtypes if not args.smoke or args.dtypes != "bf16,fp32" else "fp32",
-                                args.smoke)
+                                args.smoke, args.nproc > 1)
         rates = report.parse_rates(args.assume_link)
     except ValueError as exc:
         ap.error(str(exc))
@@ -356,7 +371,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         settings = json.loads(args.child_settings)
         settings.update(steps=args.steps, batch=args.batch, seq=args.seq, checkpointing=not args.no_checkpointing,
                         device_buffer=args.device_buffer_bytes, inject_oom=args.inject_oom,
-                        managed_limit=limits["managed"])
+                        managed_limit=limits["managed"], device=device.type)
+        if args.nproc > 1:  # this process is one rank of the configuration (torchrun); it ends there
+            SF.child(run_config, R.BY_NAME[row], M.SHAPES[shape], dtype, settings, args.child_out, args.timeout)
         rec = run_config(R.BY_NAME[row], M.SHAPES[shape], dtype, device, settings)
         C.write_json(args.child_out, rec)
         return 0
@@ -367,11 +384,12 @@ def run_parent(args, names, configs, device, limits, rates) -> int:
     out_dir = args.out or os.path.join(os.getcwd(), "scale_out")
     os.makedirs(out_dir, exist_ok=True)
     t_start = time.perf_counter()
-    link = {"before": measure_link(device)} if device.type == "cuda" else None
+    link = {"before": measure_link(device, args.nproc)} if device.type == "cuda" else None
     env = link["before"].pop("env", None) if link else C.env_info(device)  # CUDA's: from the child
     args.device_total = (env or {}).get("device_memory_bytes")  # what residency='auto' is predicted on
     child_argv = ["--device", str(device), "--steps", str(args.steps), "--batch", str(args.batch), "--seq",
-                  str(args.seq), "--device-buffer", args.device_buffer, "--managed-limit", args.managed_limit]
+                  str(args.seq), "--device-buffer", args.device_buffer, "--managed-limit", args.managed_limit,
+                  "--gpus", str(args.nproc), "--timeout", str(args.timeout)]
     child_argv += ["--no-checkpointing"] if args.no_checkpointing else []
     child_argv += ["--inject-oom", args.inject_oom] if args.inject_oom else []
     children = tempfile.mkdtemp(prefix="scale_children_")  # the children's records, gathered into scale.json
@@ -382,7 +400,7 @@ def run_parent(args, names, configs, device, limits, rates) -> int:
         if gone[r.name]:
             records.append({"row": r.name, "shape": None, "dtype": None, "status": "skipped", "reason": gone[r.name]})
     doc = {"env": env or {"device": str(device)}, "command": " ".join(["bench/scale.py", *sys.argv[1:]]), "link": link,
-           "settings": {"steps": args.steps, "batch": args.batch, "seq": args.seq,
+           "settings": {"steps": args.steps, "batch": args.batch, "seq": args.seq, "nproc": args.nproc,
                         "checkpointing": not args.no_checkpointing, "budget": args.budget,
                         "device_buffer": args.device_buffer_bytes, "limits": limits}, "records": records}
     previous = signal.signal(signal.SIGTERM, _interrupt)  # `timeout` ends the grid: the tables are still written
@@ -395,8 +413,8 @@ def run_parent(args, names, configs, device, limits, rates) -> int:
         signal.signal(signal.SIGTERM, previous)
     shutil.rmtree(children, ignore_errors=True)
     if link is not None:
-        if "interrupted" not in doc:
-            link["after"] = measure_link(device)
+        if "interrupted" not in doc and args.nproc == 1:  # (on a node the measure takes a torchrun: once)
+            link["after"] = measure_link(device, args.nproc)
             link["after"].pop("env", None)
         rates = report.rates_from(link)
     doc["rates"] = rates

@@ -46,12 +46,17 @@ SHAPES = {s.name: s for s in (
     _shape("13b", 40, 5120, 13824),
     _shape("20b", 44, 6144),
     _shape("30b", 48, 7168),
+    # the node's (FSDP2 across its GPUs, bench/scale.py --nproc): 52B, and 78B, the 70B-shaped one of
+    # LLaMA-2 (80 x 8192, MLP 28672) with multi-head attention instead of its 8 k/v heads
+    _shape("50b", 64, 8192),
+    _shape("70b", 80, 8192, 28672),
     # CPU smoke shapes (seconds each)
     Shape("tiny", 2, 64, 176, 4, 256),
     Shape("tiny2", 2, 96, 256, 4, 256),
     Shape("tiny3", 3, 128, 352, 4, 256),
 )}
 LADDER = ("1b", "3b", "7b", "10b", "13b", "20b", "30b")
+NODE_LADDER = ("13b", "30b", "50b", "70b")  # the default of --nproc > 1
 SMOKE_LADDER = ("tiny",)
 
 

@@ -155,6 +155,10 @@ def markdown(doc: dict) -> str:
     out = [f"# bench/scale.py on {env.get('device_name')} ({env.get('date')}, torch {env.get('torch')})", "",
            f"`{doc.get('command')}`; batch {s.get('batch')} x {s.get('seq')}, {s.get('steps')} steps, gradient "
            f"checkpointing {'on' if s.get('checkpointing') else 'off'}; budget row: {s.get('budget')} of the states.", ""]
+    if (s.get("nproc") or 1) > 1:
+        out += [f"FSDP2 across {s['nproc']} GPUs (one process each, batch and sequence per GPU): step ms is the "
+                "slowest rank's, each peak the largest rank's, link bytes and floor one rank's (at each GPU's rate "
+                "with every GPU copying at once); no prediction (the estimator models one GPU).", ""]
     if rates:
         out += [f"Host link ({rates['source']}): host->device {rates['h2d']:.1f} GB/s, device->host "
                 f"{rates['d2h']:.1f} GB/s, each way with both busy {rates['both']:.1f} GB/s.", ""]

@@ -9,7 +9,9 @@
 #
 # Stages: build (both trees), test (pytest -m cuda on this tree), step (bench_step: the 1.1B set
 # in fp32 and bf16, eager and captured, and the 2000-small-tensor set, for pagedopt's 8-bit and
-# 32-bit AdamW), train (bench_train: the 936M LM in every pagedopt residency mode). Env knobs:
+# 32-bit AdamW), train (bench_train: the 936M LM in every pagedopt residency mode), probe (both
+# trees: scripts/probe_host_time.py on 2000 small tensors, scripts/probe_first_step_memory.py on
+# host residency with and without updates in backward). Env knobs:
 # ROUNDS (alternations of before/after per bench, default 2), STEP_ONLY, TRAIN_MODES, TRAIN_STEPS,
 # PYTEST_ARGS. Everything lands in $OUT: build and test logs, step_{before,after}_N.json,
 # train_{before,after}_N.json, and a summary printed last.
@@ -77,6 +79,18 @@ if has train; then
       cp "$OUT/train_${which}_$r/train.json" "$OUT/train_${which}_$r.json" 2>/dev/null
       rm -rf "$OUT/train_${which}_$r"
     done
+  done
+fi
+
+if has probe; then  # where a step's host time and the first steps' device memory go, in both trees
+  for which in before after; do
+    log "probes $which"
+    PYTHONPATH="$HOME/$which" timeout "${PROBE_S:-90}" python3 "$HOME/after/scripts/probe_host_time.py" --n 2000 \
+      --steps 30 > "$OUT/probe_host_$which.txt" 2>&1
+    head -2 "$OUT/probe_host_$which.txt"
+    PYTHONPATH="$HOME/$which" timeout "${PROBE_S:-90}" python3 "$HOME/after/scripts/probe_first_step_memory.py" \
+      --modes host,host_bwd --layers 8 --out "$OUT/probe_memory_$which.json" > "$OUT/probe_memory_$which.txt" 2>&1
+    grep -v "^    stream" "$OUT/probe_memory_$which.txt" | tail -6
   done
 fi
 

@@ -2,6 +2,7 @@
 rank (torch.multiprocessing.spawn, a file store), and comparisons across ranks."""
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import tempfile
@@ -41,7 +42,10 @@ def _entry(rank: int, world: int, backend: str, init_method: str, scenario, args
         device = torch.device("cuda", rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    # a collective that waits longer than this on a rank that died or hangs fails instead of waiting
+    # for the stage's timeout (NCCL's default is 10 minutes, gloo's 30)
+    timeout = datetime.timedelta(seconds=float(os.environ.get("PAGEDOPT_DIST_TIMEOUT_S", "300")))
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
     try:
         scenario(rank, world, device, *args)
         dist.barrier()  # no rank tears down while another is still in a collective (gloo aborts then)
@@ -70,6 +74,34 @@ def _make(name: str, params, **kw):
     with warnings.catch_warnings():  # Paged* on the CPU (or without concurrent managed access) warn: unpaged
         warnings.simplefilter("ignore")
         return getattr(pagedopt, name)(params, **HYPERS.get(name, HYPER), **kw)
+
+
+# The classes (and pagers) of the multi-GPU agreement and resharding tests, by name: (class,
+# set_pager settings; "budget": a device_budget of about half the 8-bit codes' bytes)
+VARIANTS = {
+    "AdamW8bit": ("AdamW8bit", None),
+    "PagedAdamW8bit": ("PagedAdamW8bit", None),  # managed memory, the default
+    "PagedAdamW8bit-budget": ("PagedAdamW8bit", "budget"),
+    "PagedAdamW8bit-host": ("PagedAdamW8bit", {"residency": "host"}),
+    "Lion8bit": ("Lion8bit", None),
+    "LAMB8bit": ("LAMB8bit", None),
+    "AdamW4bit": ("AdamW4bit", None),
+    "PagedAdamW4bit": ("PagedAdamW4bit", None),
+    "AdamW32bit": ("AdamW32bit", None),
+}
+
+
+def _optimizer(variant: str, params: list):
+    """A VARIANTS optimizer over ``params`` (a list), its pager set before the first step."""
+    from pagedopt.optim import sharding
+
+    cls, pager = VARIANTS[variant]
+    opt = _make(cls, params)
+    if pager == "budget":  # 2 bytes of codes a parameter: about half of them stay, the rest streams
+        opt.set_pager(device_budget=sum(sharding.local(p).numel() for p in params))
+    elif pager:
+        opt.set_pager(**pager)
+    return opt
 
 
 def _flat_state(opt) -> list[torch.Tensor]:
@@ -101,6 +133,17 @@ def _ddp_model(device):
     torch.manual_seed(0)
     # 96 * 64 = 6144 weights >= min_8bit_size (4096): 8-bit states, 24 blocks; the biases keep 32-bit.
     return torch.nn.Sequential(torch.nn.Linear(96, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).to(device)
+
+
+def _node_model(device):
+    torch.manual_seed(3)
+    # Whole blocks at 1, 2, 4 and 8 ranks: the weights (128, 64), (128, 128), (128, 128) (8192 and
+    # 16384 elements, >= min_8bit_size: 8-bit or 4-bit states) split by rows (FSDP2's Shard(0)) into
+    # 1024 and 2048 elements at 8 ranks, whole 256-element (8-bit) and 128-element (4-bit) blocks;
+    # the biases (128,) keep 32-bit states, in shards of 16 floats at 8 ranks (torch's fused CPU Adam
+    # rounds a shard that is not a multiple of its 16-float vectors differently: test_fsdp2.py).
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 128), torch.nn.Tanh(),
+                               torch.nn.Linear(128, 128)).to(device)
 
 
 def _ddp_steps(ddp, opt, rank, device, first, count):

@@ -111,6 +111,35 @@ def test_rows_resolve_lazily():
     assert set(R.DEFAULT_ROWS) <= set(R.ROWS) and R.DEFAULT_ROWS[0] == "fp32"
 
 
+def test_the_candidate_v_map_row_differs_from_the_default_only_in_qmap2():
+    """pagedopt_4bit_vfloor: AdamW4bit whose v codebook is the unsigned dynamic 4-bit map with its zero
+    code replaced by half its smallest positive one; m's codebook, the state layout and m after a step
+    from zero states are the default row's; the second step, which reads v back, differs."""
+    pytest.importorskip("pagedopt")
+    from pagedopt import quant
+    torch.manual_seed(0)
+    g = torch.randn(64, 96) * torch.logspace(-3, 0, 96)
+    runs = {}
+    for name in ("pagedopt_4bit", "pagedopt_4bit_vfloor"):
+        assert R.ROWS[name].missing("cpu") is None
+        p = torch.nn.Parameter(torch.ones(64, 96))
+        opt = R.ROWS[name].make([p])
+        p.grad = g.clone()
+        opt.step()
+        runs[name] = (opt, p, p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+        p.grad = g.flip(0)
+        opt.step()
+    (_, pa, pa1, a), (_, pb, pb1, b) = runs["pagedopt_4bit"], runs["pagedopt_4bit_vfloor"]
+    floor = quant.dynamic_codebook_4bit(False)
+    floor[0] = floor[1] / 2
+    assert torch.equal(b["qmap2"], floor) and torch.equal(a["qmap2"], quant.linear_codebook_4bit_no_zero())
+    assert torch.equal(a["qmap1"], b["qmap1"]) and torch.equal(a["state1"], b["state1"])
+    assert a["state2"].shape == b["state2"].shape and not torch.equal(a["state2"], b["state2"])
+    # the first update is computed from the new fp32 moments before they are stored: the same
+    assert torch.equal(pa1, pb1)
+    assert not torch.equal(pa, pb)
+
+
 def test_blockwise_reader_reads_one_step_of_adamw8bit():
     """After one step from zero states, m = (1 - b1) g and v = (1 - b2) g^2 exactly in fp32; the 8-bit
     states hold them to within half the widest gap of their codebook times their block's absmax (round

@@ -330,3 +330,25 @@ def test_bench_train_rounds(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("mode_*_r*.json")) == [
         "mode_pagedopt_adamw8bit_r1.json", "mode_pagedopt_adamw8bit_r2.json",
         "mode_torch_adamw_fused_r1.json", "mode_torch_adamw_fused_r2.json"]
+
+
+def test_probe_first_step_memory_smoke(tmp_path):
+    """scripts/probe_first_step_memory.py --smoke: each mode trains its three steps in a process of
+    its own (losses only on the CPU) and the JSON says so."""
+    out = tmp_path / "probe.json"
+    _run([os.path.join(ROOT, "scripts", "probe_first_step_memory.py"), "--smoke",
+          "--modes", "host,host_bwd,resident_bwd", "--out", str(out)])
+    recs = json.loads(out.read_text())
+    assert [r["mode"] for r in recs] == ["host", "host_bwd", "resident_bwd"]
+    for r in recs:
+        assert "error" not in r, r
+        losses = [s["loss"] for s in r["steps"]]
+        assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+        assert losses[-1] < losses[0]  # three steps of training on one batch lower its loss
+
+
+def test_probe_host_time_smoke():
+    """scripts/probe_host_time.py on the CPU with a few small tensors: it reports the host time."""
+    p = _run([os.path.join(ROOT, "scripts", "probe_host_time.py"), "--n", "20", "--side", "16",
+              "--steps", "3"])
+    assert "host ms median" in p.stdout

@@ -67,6 +67,7 @@ def test_ddp_gloo(tmp_path):
 
 
 @pytest.mark.cuda
-def test_ddp_nccl(tmp_path):
-    _gpus(2)
-    _launch(_ddp_scenario, 2, "nccl", str(tmp_path))
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ddp_nccl(tmp_path, world):
+    _gpus(world)
+    _launch(_ddp_scenario, world, "nccl", str(tmp_path))

@@ -1,12 +1,14 @@
-"""Distributed checkpoints (torch.distributed.checkpoint) of pagedopt's sharded 8-bit states under
-FSDP2: resharding (1 -> 2 ranks here; 2 -> 1 in tests/test_fsdp2.py), the layouts that cannot
+"""Distributed checkpoints (torch.distributed.checkpoint) of pagedopt's sharded states under FSDP2:
+resharding (saved by N ranks, loaded by M: 2 -> 1, 1 -> 2, 4 -> 2 here on the CPU; 8 -> 4, 4 -> 8,
+2 -> 1 on GPUs; 8-bit, 4-bit, 32-bit, paged and host-resident states), the layouts that cannot
 reshard and the checkpoints that must be refused, by torch's own route (get_optimizer_state_dict,
 dcp.save/load, set_optimizer_state_dict) and by pagedopt.integrations.dcp.load, which changes
 nothing unless it accepts the whole checkpoint.
 
-Every case runs in processes started by torch.multiprocessing.spawn (tests/distributed_helpers.py)
-on the CPU with gloo. Tolerances: none; a reloaded state is a copy of the saved one, and shards of
-whole 256-element blocks compute what the unsharded run computes (tests/test_fsdp2.py).
+Every case runs in processes started by torch.multiprocessing.spawn (tests/distributed_helpers.py):
+on the CPU with gloo, and with nccl, one process per GPU, in the tests marked cuda. Tolerances:
+none; a reloaded state is a copy of the saved one, and shards of whole blocks compute what the
+unsharded run computes (tests/test_fsdp2.py).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed_helpers import _launch, _make
+from distributed_helpers import _gpus, _launch, _make, _node_model, _optimizer
 from test_fsdp2 import _aligned_model, _fsdp_steps, _shard, _uneven_model
 
 
@@ -90,44 +92,79 @@ def _coincident_model(device):
     return torch.nn.Sequential(torch.nn.Linear(100, 3, bias=False)).to(device)
 
 
-# ------------------------------------------------------------------------------- 1 rank -> 2 ranks
-def _save_at_one(rank, world, device, ckpt_dir):
+# --------------------------------------------------------------------- N ranks -> M ranks, by class
+RESHARD = ("AdamW8bit", "PagedAdamW8bit", "PagedAdamW8bit-host", "Lion8bit", "AdamW4bit", "AdamW32bit")
+
+
+def _reshard_at(rank, world, device, ckpt_dir, phase, variants):
+    """``save``: train 3 steps, save (torch's route; AdamW8bit by pagedopt_dcp too), train 3 more and
+    keep the whole parameters and states as expected; ``load``: at another world size, a fresh
+    model and optimizer load the checkpoint and train the same 3 steps. Every shard of _node_model is
+    whole blocks at 1, 2, 4 and 8 ranks, so the absmax reshards exactly, and both runs are bit for
+    bit the one-process run (_fsdp_steps: rank 0's gradient, exactly): the loaded run ends where the
+    uninterrupted one did, at any pair of world sizes."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from pagedopt.integrations import dcp as pagedopt_dcp
 
-    model = _shard(_aligned_model(device))
-    opt = _make("AdamW8bit", model.parameters())
-    _fsdp_steps(model, opt, 0, 3, 128, 32, device)
-    _raw_save(model, opt, os.path.join(ckpt_dir, "raw"))
-    pagedopt_dcp.save(os.path.join(ckpt_dir, "helper"), model, opt)
-    _fsdp_steps(model, opt, 3, 3, 128, 32, device)
-    torch.save(_full(model, opt), os.path.join(ckpt_dir, "expected.pt"))
+    # Shards that are not whole blocks (_uneven_model) belong to their layout: refused at any other
+    # world size, by DCP (absmax1 of another size) or by load_state_dict (another layout).
+    uneven = os.path.join(ckpt_dir, "uneven")
+    model = _shard(_uneven_model(device))
+    opt = _make("AdamW8bit", model.parameters(), min_8bit_size=0)
+    if phase == "save":
+        _fsdp_steps(model, opt, 0, 1, 24, 1, device)
+        _raw_save(model, opt, uneven)
+    else:
+        with pytest.raises((CheckpointException, ValueError), match="Size mismatch|reload only at the world size"):
+            _raw_load(model, opt, uneven)
+    for variant in variants:
+        routes = ("raw", "helper") if variant == "AdamW8bit" else ("raw",)
+        if phase == "save":
+            model = _shard(_node_model(device))
+            opt = _optimizer(variant, list(model.parameters()))
+            _fsdp_steps(model, opt, 0, 3, 64, 128, device)
+            _raw_save(model, opt, os.path.join(ckpt_dir, variant, "raw"))
+            if "helper" in routes:
+                pagedopt_dcp.save(os.path.join(ckpt_dir, variant, "helper"), model, opt)
+            _fsdp_steps(model, opt, 3, 3, 64, 128, device)
+            expected = _full(model, opt)
+            if rank == 0:
+                torch.save(expected, os.path.join(ckpt_dir, variant, "expected.pt"))
+            continue
+        expected = torch.load(os.path.join(ckpt_dir, variant, "expected.pt"), weights_only=True)
+        for how in routes:
+            torch.manual_seed(50)
+            model = _shard(_node_model(device))  # other initial values: the checkpoint must replace them
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.25)
+            opt = _optimizer(variant, list(model.parameters()))
+            path = os.path.join(ckpt_dir, variant, how)
+            _raw_load(model, opt, path) if how == "raw" else pagedopt_dcp.load(path, model, opt)
+            _fsdp_steps(model, opt, 3, 3, 64, 128, device)
+            mine = _full(model, opt)
+            assert len(mine) == len(expected), (variant, how)
+            for i, (a, b) in enumerate(zip(mine, expected)):
+                assert a.dtype == b.dtype and torch.equal(a, b.to(a.device)), \
+                    f"{variant} ({how}): tensor {i} differs from the uninterrupted run after resharding to {world} ranks"
 
 
-def _load_at_two(rank, world, device, ckpt_dir):
-    from pagedopt.integrations import dcp as pagedopt_dcp
-
-    expected = torch.load(os.path.join(ckpt_dir, "expected.pt"), weights_only=True)
-    for how in ("raw", "helper"):
-        torch.manual_seed(50)
-        model = _shard(_aligned_model(device))  # other initial values: the checkpoint must replace them
-        opt = _make("AdamW8bit", model.parameters())
-        if how == "raw":
-            _raw_load(model, opt, os.path.join(ckpt_dir, how))
-        else:
-            pagedopt_dcp.load(os.path.join(ckpt_dir, how), model, opt)
-        _fsdp_steps(model, opt, 3, 3, 128, 32, device)
-        # Saved by one rank, continued by two: every shard is whole blocks (4096 or 2048 elements of
-        # the flattened weight), so the absmax DTensor is the unsharded absmax and reshards exactly,
-        # and the two-rank run computes what the one-rank run computed.
-        mine = _full(model, opt)
-        assert len(mine) == len(expected)
-        for i, (a, b) in enumerate(zip(mine, expected)):
-            assert a.dtype == b.dtype and torch.equal(a, b), f"{how}: tensor {i} differs after resharding 1 -> 2"
+def _reshard(tmp_path, saved_at, loaded_at, backend):
+    _launch(_reshard_at, saved_at, backend, str(tmp_path), "save", RESHARD)
+    _launch(_reshard_at, loaded_at, backend, str(tmp_path), "load", RESHARD)
 
 
-def test_dcp_reshard_one_to_two_gloo(tmp_path):
-    _launch(_save_at_one, 1, "gloo", str(tmp_path))
-    _launch(_load_at_two, 2, "gloo", str(tmp_path))
+@pytest.mark.parametrize("saved_at,loaded_at", [(2, 1), (1, 2), (4, 2)])
+def test_dcp_reshard_gloo(tmp_path, saved_at, loaded_at):
+    _reshard(tmp_path, saved_at, loaded_at, "gloo")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("saved_at,loaded_at", [(8, 4), (4, 8), (2, 1)])
+def test_dcp_reshard_nccl(tmp_path, saved_at, loaded_at):
+    _gpus(max(saved_at, loaded_at))
+    _reshard(tmp_path, saved_at, loaded_at, "nccl")
 
 
 # ------------------------------------------------------------------------------------- refusals

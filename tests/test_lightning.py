@@ -203,6 +203,7 @@ def check_16_mixed(module, lightning_trainer, loader, hand_loader, device, skipp
         # Lightning's teardown moves the module back to the CPU; the loop by hand left it on the device
         assert torch.equal(p.detach().cpu(), q.detach().cpu()), f"{n}: Lightning's 16-mixed fit differs from the GradScaler loop"
     assert_same_states(opt, hand_opt, module.parameters(), start.parameters())
+    return snaps
 
 
 @pytest.mark.parametrize("cls_name", ["PagedAdamW8bit", "AdamW32bit"])
@@ -256,10 +257,12 @@ def test_16_mixed_on_cuda(tmp_path, cls_name):
         warnings.simplefilter("ignore")
         lightning_trainer = trainer(tmp_path, epochs=1, accelerator="gpu", precision="16-mixed")
     assert isinstance(lightning_trainer.precision_plugin, MixedPrecision)
-    check_16_mixed(Net(cls_name), lightning_trainer, data(inf_batch=2), data(inf_batch=2, device="cuda"), "cuda",
-                   skipped_batch=2)
-    opt = lightning_trainer.optimizers[0]
-    assert all(s["state1"].is_cuda for s in opt.state.values())
+    snaps = check_16_mixed(Net(cls_name), lightning_trainer, data(inf_batch=2), data(inf_batch=2, device="cuda"),
+                           "cuda", skipped_batch=2)
+    # the states were on the GPU while it trained (the snapshots after the last batch); Lightning's
+    # teardown moves the optimizer's states to the CPU once fit() ends, as it does the module
+    last_states = snaps.after[-1][1]
+    assert len(last_states) == 4 and all(s["state1"].is_cuda for s in last_states)
 
 
 def test_16_mixed_on_the_cpu_becomes_bf16(tmp_path):

@@ -316,6 +316,11 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
   const int64_t block_size = four_bit && !norms.has_value() ? int64_t{kTile4} : state_block_size(bits);
   static_assert(Algo::kKeys <= kMaxKeys, "raise kMaxKeys");
   using Constants = typename Algo::Constants;
+  // what a launch allocates per tensor: its metadata and block start (the kept table), its
+  // constants and stochastic-rounding stream (the work buffer); pagedopt/optim/kernels.py's
+  // ENGINE_BYTES_PER_TENSOR bounds it, so that a step reserves its temporaries before it begins
+  static_assert(sizeof(TensorMeta) + sizeof(int64_t) + sizeof(Constants) + sizeof(uint64_t) <= 256,
+                "raise ENGINE_BYTES_PER_TENSOR in pagedopt/optim/kernels.py and here");
   const size_t n = params.size();
   const at::Device device = params[0].device();
   const c10::cuda::CUDAGuard guard(device);

@@ -32,9 +32,10 @@ import torch
 
 from .. import _ops
 from .algorithms.spec import AlgorithmSpec
-from .plan import Bucket
+from .plan import ENGINE, FUSED32, STATELESS, Bucket
 from .residency import Chunk, write_back
 from .sharding import is_dtensor
+from .state_format import CODES8
 
 # fp32 copies of 16-bit params and grads for torch's fused 32-bit step: at most this many elements
 # at a time (2 x 4 bytes each: 64 MiB), tensors cut at multiples of FP32_COPY_ALIGN elements (torch's
@@ -43,26 +44,52 @@ from .sharding import is_dtensor
 FP32_COPY_NUMEL = 8 << 20
 FP32_COPY_ALIGN = 1024
 
+# What one launch of the CUDA engine allocates itself (csrc/cuda/quantized_step.cu): the work
+# buffer, with an 8-bit step's search table per state key (CodeTable: 8192 uint32 entries) and,
+# per tensor, the algorithm's constants and a stochastic-rounding stream; and the tensors' metadata
+# table (TensorMeta and block starts), kept for the next launch on the same tensors (a new one when
+# a tensor moved, e.g. a contiguous copy). Per tensor at most ENGINE_BYTES_PER_TENSOR of both (a
+# static_assert there), plus ENGINE_FIXED_BYTES: the three dtype groups' starts and the caching
+# allocator's rounding of the two allocations up to 512 bytes. Measured on an H100 (AdamW8bit, two
+# tensors, one transposed): 66560 bytes beyond the contiguous copies.
+CODE_TABLE_BYTES = 8192 * 4
+ENGINE_BYTES_PER_TENSOR = 256
+ENGINE_FIXED_BYTES = 3 * 8 + 2 * 512
+
 
 def workspace_bytes(spec: AlgorithmSpec, bucket: Bucket, group: dict, params: list, grads: list,
                     contiguous: bool, held_step: bool) -> int:
     """At most how many bytes of temporaries the bucket's update allocates at once (its chunks run
     one after the other, each freeing its temporaries): contiguous copies of its non-contiguous
     parameters and gradients, fp32 copies of a run of 16-bit ones for torch's fused kernel, plain
-    SGD's fp32 temporaries of its largest parameter, the norm pass's sums. ``held_step``: the
-    bucket is one call on states held in C++ (nothing allocated). The executor makes sure this
+    SGD's fp32 temporaries of its largest parameter, the norm pass's sums, and the engine's own
+    (engine_bytes). ``held_step``: the bucket is one call on states held in C++ (no copies: only
+    the engine's own). The executor makes sure this
     much is free before any counter moves (reserve_workspace)."""
-    if held_step or not params:
+    if not params:
         return 0
-    if bucket.kernel == "stateless":  # g32, p32 and the new value of one parameter at a time
+    if bucket.kernel == STATELESS:  # g32, p32 and the new value of one parameter at a time
         return 3 * 4 * max(p.numel() for p in params)
-    total = sum(t.numel() * t.element_size() for pair in zip(params, grads) for t in pair
-                if not contiguous and not t.is_contiguous())
-    if bucket.kernel == "fused32" and params[0].dtype != torch.float32 and sr_seed(group, bucket) is None:
+    rounds = sr_seed(group, bucket) is not None
+    total = engine_bytes(spec, bucket, len(params)) if bucket.kernel == ENGINE or rounds else 0
+    if held_step:
+        return total
+    total += sum(t.numel() * t.element_size() for pair in zip(params, grads) for t in pair
+                 if not contiguous and not t.is_contiguous())
+    if bucket.kernel == FUSED32 and params[0].dtype != torch.float32 and not rounds:
         total += 2 * 4 * min(FP32_COPY_NUMEL, sum(p.numel() for p in params))
     if spec.norm_scaled:
         total += 24 * len(params)
     return total
+
+
+def engine_bytes(spec: AlgorithmSpec, bucket: Bucket, n_tensors: int) -> int:
+    """At most what the engine's launches for ``n_tensors`` tensors of the bucket allocate on a GPU
+    (see ENGINE_BYTES_PER_TENSOR): the norm pass of a norm-scaled algorithm is a launch of its own,
+    whose metadata stays while the update's launch runs; only the 8-bit update carries tables."""
+    launches = 2 if spec.norm_scaled else 1
+    tables = len(spec.states) * CODE_TABLE_BYTES if bucket.fmt is CODES8 else 0
+    return launches * (ENGINE_BYTES_PER_TENSOR * n_tensors + ENGINE_FIXED_BYTES) + tables
 
 
 def reserve_workspace(device: torch.device, nbytes: int) -> None:

@@ -21,7 +21,8 @@ Where paging is not possible (CPU tensors, a build without CUDA, a GPU without c
 access, or ``PAGEDOPT_DISABLE_PAGING=1``), :meth:`PageManager.zeros` returns ordinary tensors,
 warns once (per device, per manager), and every other method is a cheap no-op for them.
 
-A PageManager is not thread-safe; use it from the thread that launches the work.
+A PageManager is not thread-safe; use it from the thread that launches the work (only its
+host copies are made on a thread of their own, :mod:`.pin_ahead`).
 
 Modules (the public names are re-exported here; each module imports only those below it):
 
@@ -31,6 +32,8 @@ Modules (the public names are re-exported here; each module imports only those b
 * :mod:`.backends`: the stream, event and copy calls of the pagers (tests substitute fakes);
 * :mod:`.ledger`: a PageManager's bookkeeping (entries, residency counters, host copies, steps,
   budget);
+* :mod:`.pin_ahead`: the page-locked host copies made ahead of the first page-out, on a
+  background thread (:class:`.pin_ahead.PinAhead`);
 * :mod:`.migration`: a PageManager's page-in/page-out (streams, events, driver prefetches, host
   copies, ``prefetch()``, ``page_out()``) and the budget's evictions;
 * :mod:`.staging`: a PageManager's pipelined ``stage()``, and :func:`split_by_bytes`;
