@@ -49,6 +49,9 @@ def assert_unchanged(ts, before):
     ("mixed_width", "state1[1] must be"),
     ("grad_shape", "grads[1] has shape"),
     ("qmap", "qmap1 must have 256 entries"),
+    ("grad_strided", "grads[1] must be contiguous and on cpu"),
+    ("param_strided", "params[1] must be contiguous"),
+    ("state_strided", "state1[1] must be contiguous and on cpu"),
 ])
 def test_bad_arguments_name_the_argument_and_change_nothing(bad, message):
     gen = torch.Generator().manual_seed(1)
@@ -70,6 +73,13 @@ def test_bad_arguments_name_the_argument_and_change_nothing(bad, message):
         ts[1]["g"] = ts[1]["g"].reshape(3, 100)
     elif bad == "qmap":
         qmaps = [dynamic_codebook(True)[:255].clone()]
+    elif bad in ("grad_strided", "param_strided", "state_strided"):
+        # every other element of a tensor twice as long: the same shape, values and dtype, a stride
+        # of 2 (the op called directly, not through an optimizer, which makes contiguous copies)
+        key = {"grad_strided": "g", "param_strided": "p", "state_strided": "s"}[bad]
+        wide = torch.empty(600, dtype=ts[1][key].dtype)
+        wide[::2] = ts[1][key]
+        ts[1][key] = wide[::2]
     before = snapshot(ts)
     with pytest.raises((RuntimeError, ValueError), match=message.replace("[", r"\[").replace("]", r"\]")):
         _ops.quantized_step_(algorithm, [t["p"] for t in ts], [t["g"] for t in ts], [[t["s"] for t in ts]],

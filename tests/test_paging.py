@@ -376,6 +376,45 @@ def test_fake_budget_evicts_stale_first():
     assert all(m._entry(t).state == RESIDENCY_DEVICE for t in used)
 
 
+def test_fake_budget_evicts_several_stale_tensors_least_recently_used_first_and_before_the_page_in():
+    """Resident tensors used in one step in the order a, b, c, d, z (z paged in then, so that the
+    stage takes its slow path, which records each use), then left alone for two steps (stale);
+    under a budget set afterwards, a stage that pages in two more evicts a, then b, then c (least
+    recently used first; d and z stay), each page-out issued before the page-in it makes room for,
+    the resident bytes within the budget at every page-in. (A stage whose tensors are all resident
+    and within budget records no use: that is its free path.)"""
+    m = _fake_manager(prefetch_depth=0)
+    fake = m._cuda
+    a, b, c, d = (_fake_paged(m, 100) for _ in range(4))
+    z = _fake_paged(m, 100, state=RESIDENCY_HOST)
+    m.begin_step()
+    list(m.stage([[a], [b], [c], [d], [z]]))
+    m.budget_bytes = 400  # 500 resident now
+    m.begin_step()
+    m.begin_step()  # a, b, c, d, z: last used two steps ago
+    e, f = (_fake_paged(m, 100, state=RESIDENCY_HOST) for _ in range(2))
+    resident_at_page_in = []
+    real_prefetch = fake.prefetch
+
+    def prefetch(t, to):
+        if to is not None:
+            resident_at_page_in.append(m.stats().resident_bytes)
+        real_prefetch(t, to)
+
+    fake.prefetch = prefetch
+    fake.log.clear()
+    list(m.stage([[e], [f]]))
+    states = [m._entry(t).state for t in (a, b, c, d, z)]
+    assert states == [RESIDENCY_HOST] * 3 + [RESIDENCY_DEVICE] * 2, states
+    moves = [(x[2], x[4]) for x in fake.prefetches()]
+    ptr = {t.data_ptr(): n for t, n in zip((a, b, c, d, z, e, f), "abcdzef")}
+    assert [(ptr[p], w) for p, w in moves] == [("a", "host"), ("b", "host"), ("e", "cuda:0"), ("c", "host"),
+                                               ("f", "cuda:0")]
+    # each page-in found its room made: 300 resident beside the 100 coming in
+    assert resident_at_page_in == [300, 300]
+    assert m.stats().resident_bytes == 400
+
+
 def test_fake_weakrefs_do_not_keep_memory():
     m = _fake_manager()
     ts = [_fake_paged(m, 100) for _ in range(4)]
