@@ -188,7 +188,10 @@ def test_a_process_that_exits_while_copies_are_queued_waits_for_the_one_in_fligh
         p = PinAhead(Slow())
         for k in range(20):
             assert p.request(k, 4096 + k, 0)
-        time.sleep(0.2)  # the first copy is being made; the other 19 wait
+        import os
+        deadline = time.time() + 30
+        while not os.path.exists({str(log)!r}) and time.time() < deadline:
+            time.sleep(0.01)  # until the first copy is being made (the other 19 wait)
     """)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=60,
