@@ -114,23 +114,7 @@ def _timed(fn, device, warmup: int, repeat: int, together: bool) -> list[float]:
 
 def _copies(host, dev, device, warmup, repeat, together) -> dict:
     n, half = host.numel(), host.numel() // 2
-    cuda = device.type == "cuda"  # the CPU (--smoke): plain copies, the harness alone is checked
-    streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else ()
-
-    def both():
-        if not cuda:
-            dev[:half].copy_(host[:half])
-            host[half:2 * half].copy_(dev[half:2 * half])
-            return
-        cur = torch.cuda.current_stream(device)
-        for s in streams:
-            s.wait_stream(cur)
-        with torch.cuda.stream(streams[0]):
-            dev[:half].copy_(host[:half], non_blocking=True)
-        with torch.cuda.stream(streams[1]):
-            host[half:2 * half].copy_(dev[half:2 * half], non_blocking=True)
-        for s in streams:
-            cur.wait_stream(s)
+    both = C.duplex_copy(host, dev, device)  # on the CPU (--smoke): plain copies, the harness alone is checked
     out = {}
     for name, fn, nbytes in (("h2d", lambda: dev.copy_(host, non_blocking=True), 4 * n),
                              ("d2h", lambda: host.copy_(dev, non_blocking=True), 4 * n),

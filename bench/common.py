@@ -133,6 +133,32 @@ def copy_bandwidth(device, nbytes: int = 2 << 30, warmup: int = DEFAULT_WARMUP,
     return {"buffer_bytes": n * 4, "bytes_moved": moved, **st, "gbps": gbps(moved, st["median_ms"])}
 
 
+def duplex_copy(host: torch.Tensor, dev: torch.Tensor, device):
+    """A function that copies the first half of ``host`` into ``dev`` and the second half of ``dev``
+    back into ``host`` at once, each on a stream of its own after the current stream's work, the
+    current stream waiting for both (what streaming host-resident states does: copies in and back
+    overlap). On the CPU: the same two copies, one after the other."""
+    half = host.numel() // 2
+    if not is_cuda(device):
+        def both_cpu():
+            dev[:half].copy_(host[:half])
+            host[half:2 * half].copy_(dev[half:2 * half])
+        return both_cpu
+    streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+
+    def both():
+        cur = torch.cuda.current_stream(device)
+        for s in streams:
+            s.wait_stream(cur)
+        with torch.cuda.stream(streams[0]):
+            dev[:half].copy_(host[:half], non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            host[half:2 * half].copy_(dev[half:2 * half], non_blocking=True)
+        for s in streams:
+            cur.wait_stream(s)
+    return both
+
+
 def pinned_bandwidth(device, nbytes: int = 1 << 30, warmup: int = 2, repeat: int = 5) -> dict:
     """Pinned host -> device and device -> host `copy_` bandwidth (bytes copied / time), one
     direction at a time and both at once (half the bytes each way; the rate of each direction)."""
@@ -147,19 +173,7 @@ def pinned_bandwidth(device, nbytes: int = 1 << 30, warmup: int = 2, repeat: int
     # both directions at once (what streaming host-resident states does: copies in and back
     # overlap), each on a stream of its own, between two halves of the buffers
     half = n // 2
-    streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-
-    def both():
-        cur = torch.cuda.current_stream(device)
-        for s in streams:
-            s.wait_stream(cur)
-        with torch.cuda.stream(streams[0]):
-            dev[:half].copy_(host[:half], non_blocking=True)
-        with torch.cuda.stream(streams[1]):
-            host[half:2 * half].copy_(dev[half:2 * half], non_blocking=True)
-        for s in streams:
-            cur.wait_stream(s)
-    duplex = stats(time_ms(both, device, warmup, repeat))
+    duplex = stats(time_ms(duplex_copy(host, dev, device), device, warmup, repeat))
     del host, dev
     free_memory()
     return {"bytes": n * 4, "h2d": h2d, "d2h": d2h, "h2d_gbps": gbps(n * 4, h2d["median_ms"]),

@@ -7,6 +7,7 @@ memory: tests/test_host_paging_cuda.py."""
 from __future__ import annotations
 
 import copy
+import os
 import threading
 
 import pytest
@@ -158,3 +159,42 @@ def test_pin_ahead_take_refuses_a_copy_of_another_size():
 def test_pin_ahead_is_checked():
     with pytest.raises(ValueError, match="pin_ahead"):
         PageManager(pin_ahead="yes")
+
+
+def test_a_process_that_exits_while_copies_are_queued_waits_for_the_one_in_flight_only(tmp_path):
+    """At exit the copies still queued are not made, the one being made is finished (no thread is
+    left inside the CUDA calls while the runtime shuts down), and the process exits cleanly."""
+    import subprocess
+    import sys
+    import textwrap
+
+    log = tmp_path / "pinned.txt"
+    script = textwrap.dedent(f"""
+        import contextlib, time
+        from pagedopt.paging.pin_ahead import PinAhead
+
+        class Slow:
+            def use_device(self, d):
+                return contextlib.nullcontext()
+
+            def pinned_empty(self, nbytes):
+                with open({str(log)!r}, "a") as f:
+                    f.write(f"start {{nbytes}}\\n")
+                time.sleep(0.5)
+                with open({str(log)!r}, "a") as f:
+                    f.write(f"done {{nbytes}}\\n")
+                return bytearray(1)
+
+        p = PinAhead(Slow())
+        for k in range(20):
+            assert p.request(k, 4096 + k, 0)
+        import os
+        deadline = time.time() + 30
+        while not os.path.exists({str(log)!r}) and time.time() < deadline:
+            time.sleep(0.01)  # until the first copy is being made (the other 19 wait)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert log.read_text().split("\n")[:-1] == ["start 4096", "done 4096"]

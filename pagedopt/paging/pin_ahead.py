@@ -14,6 +14,7 @@ ahead. Part of :mod:`pagedopt.paging`; it knows storages by key and size, nothin
 """
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
@@ -109,24 +110,42 @@ class PinAhead:
 
 
 _QUEUE: Optional[queue.SimpleQueue] = None
+_THREAD: Optional[threading.Thread] = None
 _QUEUE_LOCK = threading.Lock()
+_STOPPING = threading.Event()
+# at exit, how long to wait for the allocation in flight (cudaHostAlloc: about 1.4 s for 2 GiB)
+EXIT_WAIT_S = 60.0
 
 
 def _work_queue() -> queue.SimpleQueue:
     """The queue of the process's one pinning thread (started at the first request)."""
-    global _QUEUE
+    global _QUEUE, _THREAD
     with _QUEUE_LOCK:
         if _QUEUE is None:
             q = queue.SimpleQueue()
-            # a daemon: copies still queued at exit are not worth waiting for
-            threading.Thread(target=_pin_worker, args=(q,), name="pagedopt-pin-ahead", daemon=True).start()
+            _THREAD = threading.Thread(target=_pin_worker, args=(q,), name="pagedopt-pin-ahead", daemon=True)
+            _THREAD.start()
             _QUEUE = q
         return _QUEUE
 
 
+def _stop_at_exit() -> None:
+    """At interpreter exit: copies still queued are not made (they are not worth the wait), and the
+    one being made is waited for, so that no thread is inside the CUDA runtime while it shuts down."""
+    _STOPPING.set()
+    with _QUEUE_LOCK:
+        q, t = _QUEUE, _THREAD
+    if q is not None and t is not None and t.is_alive():
+        q.put(None)
+        t.join(EXIT_WAIT_S)
+
+
+atexit.register(_stop_at_exit)
+
+
 def _forget_queue_in_child() -> None:
-    global _QUEUE
-    _QUEUE = None  # a forked child has no pinning thread: it starts its own
+    global _QUEUE, _THREAD
+    _QUEUE = _THREAD = None  # a forked child has no pinning thread: it starts its own
 
 
 if hasattr(os, "register_at_fork"):
@@ -135,7 +154,13 @@ if hasattr(os, "register_at_fork"):
 
 def _pin_worker(q: queue.SimpleQueue) -> None:
     while True:
-        fut, cuda, nbytes, device = q.get()
+        item = q.get()
+        if item is None:
+            return
+        fut, cuda, nbytes, device = item
+        if _STOPPING.is_set():
+            fut.cancel()
+            continue
         if not fut.set_running_or_notify_cancel():
             continue  # dropped before its turn
         try:
