@@ -14,23 +14,13 @@ import sys
 import pytest
 import torch
 
+from bench_modules import load_bench
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "bench")
 pytestmark = pytest.mark.filterwarnings("ignore::pagedopt.paging.PagingFallbackWarning")
 
 
-def _load(name: str):
-    sys.path.insert(0, BENCH)
-    try:
-        spec = importlib.util.spec_from_file_location(f"pagedopt_bench_{name}", os.path.join(BENCH, f"{name}.py"))
-        mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(BENCH)
-    return mod
-
-
-S = _load("scale")
+S = load_bench("scale")
 M, R, REP = S.M, S.R, S.report
 
 
