@@ -12,7 +12,8 @@
 # 32-bit AdamW), train (bench_train: the 936M LM in every pagedopt residency mode), probe (both
 # trees: scripts/probe_host_time.py on 2000 small tensors, scripts/probe_first_step_memory.py on
 # host residency with and without updates in backward). Env knobs:
-# ROUNDS (alternations of before/after per bench, default 2), STEP_ONLY, TRAIN_MODES, TRAIN_STEPS,
+# ROUNDS (alternations of before/after per bench, default 2), STEP_ONLY, STEP_ARGS (more bench_step
+# arguments, e.g. "--sets small"), TRAIN_MODES, TRAIN_STEPS,
 # PYTEST_ARGS. Everything lands in $OUT: build and test logs, step_{before,after}_N.json,
 # train_{before,after}_N.json, and a summary printed last.
 set -u
@@ -63,7 +64,7 @@ if has step; then
     for which in before after; do
       log "bench_step $which round $r"
       (cd "$HOME/$which" && timeout "${STEP_S:-240}" python3 bench/bench_step.py --only "$STEP_ONLY" --no-torchao \
-         --no-plot --no-pageout --out "$OUT/step_${which}_$r" > "$OUT/step_${which}_$r.log" 2>&1)
+         --no-plot --no-pageout ${STEP_ARGS:-} --out "$OUT/step_${which}_$r" > "$OUT/step_${which}_$r.log" 2>&1)
       cp "$OUT/step_${which}_$r/bench_step.json" "$OUT/step_${which}_$r.json" 2>/dev/null
       rm -rf "$OUT/step_${which}_$r"
     done
