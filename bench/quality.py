@@ -180,6 +180,9 @@ def parse_args(argv):
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per row's process")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 seeds (CI)")
     ap.add_argument("--out", default=None, help="folder for quality.json, row_*.json and quality.png")
+    ap.add_argument("--report", default=None, metavar="DIR",
+                    help="no runs: the report (quality.json, tables, chart) of the row_*.json files in DIR, e.g. "
+                    "those a run stopped from outside left (each row's file is rewritten after every seed)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-seeds", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -232,6 +235,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         run_row(args.child, cfg, seeds, device, args.data, args.child_out, fidelity=not args.no_fidelity)
         return 0
 
+    if args.report is not None:
+        return report_from_rows(args, argv, cfg, device, names)
     out_dir = args.out or os.path.join(os.getcwd(), "bench_quality_out")
     os.makedirs(out_dir, exist_ok=True)
     seeds = list(range(n_seeds))
@@ -269,15 +274,53 @@ def main(argv: Optional[list[str]] = None) -> int:
         shutil.rmtree(data, ignore_errors=True)
     order = {n: i for i, n in enumerate(names)}
     records = dict(sorted(records.items(), key=lambda kv: order.get(kv[0], len(order))))
+    return write_report(args, argv, cfg, device, records, out_dir, seeds,
+                        {"source_entropy": entropy, "data_seconds": data_s, "seconds": time.perf_counter() - t0})
+
+
+def report_from_rows(args, argv, cfg: Q.Config, device, names: list[str]) -> int:
+    """--report DIR: the report of the row files a run left in DIR (the rows asked for with --rows,
+    else every row file there; fp32's is required), written into --out (default DIR)."""
+    folder = args.report
+    if not os.path.isfile(os.path.join(folder, "row_fp32.json")):
+        raise SystemExit(f"--report {folder!r}: no row_fp32.json there (the reference of every pair)")
+    found = sorted(f[len("row_"):-len(".json")] for f in os.listdir(folder)
+                   if f.startswith("row_") and f.endswith(".json") and f != "row_fp32_repeat.json")
+    known = list(ROWS)  # without --rows: every row file there, in the rows' table's order
+    found.sort(key=lambda n: (known.index(n) if n in known else len(known), n))
+    wanted = names if args.rows else ["fp32", *[n for n in found if n != "fp32"]]
+    records = {}
+    for name in wanted:
+        path = os.path.join(folder, f"row_{name}.json")
+        if not os.path.isfile(path):
+            records[name] = {"name": name, "family": ROWS[name].family if name in ROWS else "?",
+                             "skipped": f"no {os.path.basename(path)} in {folder}"}
+            continue
+        with open(path) as f:
+            records[name] = json.load(f)
+        if not records[name].get("runs"):
+            records[name] = {"name": name, "family": records[name].get("family", "?"), "skipped": "no runs"}
+    repeat = os.path.join(folder, "row_fp32_repeat.json")
+    if os.path.isfile(repeat):
+        with open(repeat) as f:
+            records["fp32#repeat"] = json.load(f)
+    seeds = sorted({int(s) for s in records["fp32"]["runs"]})
+    return write_report(args, argv, cfg, device, records, args.out or folder, seeds, {"from_rows": folder})
+
+
+def write_report(args, argv, cfg: Q.Config, device, records: dict, out_dir: str, seeds: list[int],
+                 extra: dict) -> int:
+    """quality.json, the printed tables and the chart, from the rows' records."""
     rows, check = summarize(records, args.target)
     fids = {r["name"]: r.get("fidelity") for r in rows if not r.get("skipped")}
     doc = {"bench": "quality", "env": C.env_info(device), "config": dataclasses.asdict(cfg), "seeds": seeds,
-           "target": args.target, "source_entropy": entropy, "data_seconds": data_s,
-           "seconds": time.perf_counter() - t0, "determinism": check,
+           "target": args.target, **extra, "determinism": check,
            "command": " ".join(["python", "bench/quality.py", *(argv if argv is not None else sys.argv[1:])]),
            "goals": [{"goal": g, "met": ok, "figures": fig} for g, ok, fig in S.goals(
                {r["name"]: r["summary"] for r in rows if "summary" in r}, fids)],
+           "between": S.rankings({r["name"]: r["summary"] for r in rows if "summary" in r}, args.target),
            "rows": rows}
+    os.makedirs(out_dir, exist_ok=True)
     C.write_json(os.path.join(out_dir, "quality.json"), doc)
     print_report(doc)
     png = S.plot(doc, os.path.join(out_dir, "quality.png"))
@@ -290,7 +333,8 @@ def print_report(doc: dict) -> None:
     cfg = doc["config"]
     print(f"\n{cfg['layers']} layers x {cfg['width']}, vocab {cfg['vocab']}, batch {cfg['batch']} x {cfg['seq']}, "
           f"{cfg['steps']} steps, lr {cfg['lr']} (cosine to {cfg['final_lr']}), seeds {len(doc['seeds'])}, "
-          f"on {doc['env'].get('device_name')}; source entropy {doc['source_entropy']:.4f}")
+          + (f"on {doc['env'].get('device_name')}; source entropy {doc['source_entropy']:.4f}" if "from_rows" not in doc
+             else f"(--report of the rows in {doc['from_rows']}: the model's settings are those given here)"))
     ref = next((r for r in doc["rows"] if r["name"] == "fp32" and not r.get("skipped")), None)
     if ref:
         tails = [r["tail_mean"] for r in ref["runs"].values()]
@@ -313,6 +357,12 @@ def print_report(doc: dict) -> None:
         for r in doc["rows"]:
             if (r.get("fidelity") or {}).get("state_reader_error"):
                 print(f"  {r['name']}: states not read ({r['fidelity']['state_reader_error']}); update error only")
+    pairs = doc.get("between") or []
+    if pairs:
+        print("\nrows against each other, paired over the seeds both ran: d_a - d_b, mean [95% interval]")
+        for p in pairs:
+            print(f"  {p['a']:<22} - {p['b']:<22} {100 * p['mean']:+.4f}% [{100 * p['lo']:+.4f}%, {100 * p['hi']:+.4f}%]"
+                  f"  {p['n']} seeds")
     print("\ngoals (issue 30):")
     for g in doc["goals"]:
         mark = {True: "met", False: "NOT MET", None: "not measured"}[g["met"]]

@@ -119,9 +119,46 @@ def _adamw4bit_v_floor():
     return AdamW4bitVFloor
 
 
+def _signed_map(kind: str) -> list:
+    """Candidate 4-bit maps of m, made from the signed dynamic map (-1, the 6 negative codes above
+    -0.0055's place, 0, 0.0055 .. 1): "sym" trades -1 for -0.0055 (a map symmetric about 0 without
+    -1: the negative block maxima land on -0.8875), "symnz" trades 0 for -0.0055 (symmetric, both
+    extremes, no zero: an m of 0 is stored as +-0.0055 of its block's absmax)."""
+    from pagedopt import quant
+    code = quant.dynamic_codebook_4bit(True).tolist()
+    smallest = min(c for c in code if c > 0)
+    if kind == "sym":
+        code = [c for c in code if c != -1.0] + [-smallest]
+    elif kind == "symnz":
+        code = [c for c in code if c != 0.0] + [-smallest]
+    return sorted(code)
+
+
+def _adamw4bit_m_map(kind: str):
+    """pagedopt's AdamW4bit with a candidate map of m (``_signed_map``), through ``codebooks_on``."""
+    import pagedopt
+
+    class AdamW4bitMMap(pagedopt.AdamW4bit):
+        def codebooks_on(self, device, fmt=None):
+            signed, unsigned = super().codebooks_on(device, fmt) if fmt is not None else super().codebooks_on(device)
+            if signed.numel() != 16:
+                return signed, unsigned
+            maps = self.__dict__.setdefault("_m_map", {})
+            if device not in maps:
+                maps[device] = (torch.tensor(_signed_map(kind), dtype=signed.dtype, device=signed.device), unsigned)
+            return maps[device]
+
+    AdamW4bitMMap.__name__ = f"AdamW4bitM{kind.capitalize()}"
+    return AdamW4bitMMap
+
+
 def __getattr__(name: str):  # the candidate classes, made when a row looks them up (pagedopt imported then)
     if name == "AdamW4bitVFloor":
         return _adamw4bit_v_floor()
+    if name == "AdamW4bitMSym":
+        return _adamw4bit_m_map("sym")
+    if name == "AdamW4bitMSymnz":
+        return _adamw4bit_m_map("symnz")
     raise AttributeError(name)
 
 
@@ -164,6 +201,9 @@ ROWS = {r.name: r for r in (
     Row("fp32_nudged", "torch.optim:AdamW", read_torch, "torch", 32, kwargs=(("betas", (0.9, 0.999001)),)),
     # a candidate 4-bit map of v (bench/RESULTS.md, "4-bit maps"), beside pagedopt_4bit
     Row("pagedopt_4bit_vfloor", "quality_rows:AdamW4bitVFloor", read_blockwise, "pagedopt", 4),
+    # candidate 4-bit maps of m (quality_rows._signed_map), beside pagedopt_4bit
+    Row("pagedopt_4bit_msym", "quality_rows:AdamW4bitMSym", read_blockwise, "pagedopt", 4),
+    Row("pagedopt_4bit_msymnz", "quality_rows:AdamW4bitMSymnz", read_blockwise, "pagedopt", 4),
 )}
 DEFAULT_ROWS = ("fp32", "fp32_nudged", "pagedopt_8bit", "pagedopt_4bit", "bnb_8bit", "torchao_8bit", "torchao_4bit")
 SMOKE_ROWS = ("fp32", "pagedopt_8bit")

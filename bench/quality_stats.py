@@ -90,6 +90,29 @@ def between(a: dict, b: dict, target: float) -> dict:
     return paired_interval([a[s] - b[s] for s in seeds], target)
 
 
+def rankings(summaries: dict, target: float) -> list[dict]:
+    """Every other row against pagedopt's row of its width (8-bit against pagedopt_8bit, 4-bit
+    against pagedopt_4bit), and pagedopt_4bit against pagedopt_8bit: the paired interval of
+    d_a - d_b, a = the pagedopt row. Rows of one width share most of their per-seed d (the same
+    trajectories drift alike from fp32's), so this pairing resolves what the intervals against fp32
+    cannot (bench/RESULTS.md, fifteenth session: 8-bit rows +-0.16% against fp32, +-0.009% against
+    each other)."""
+    out = []
+    for name, s in summaries.items():
+        if name.startswith("fp32"):
+            continue
+        bits = 4 if "4bit" in name else 8 if "8bit" in name else None
+        base = f"pagedopt_{bits}bit" if bits else None
+        pairs = [(base, name)] if base and base != name and base in summaries else []
+        if name == "pagedopt_4bit" and "pagedopt_8bit" in summaries:
+            pairs.append((name, "pagedopt_8bit"))
+        for a, b in pairs:
+            cmp = between(summaries[a]["d_tail"], summaries[b]["d_tail"], target)
+            if cmp["mean"] is not None and cmp["lo"] is not None:
+                out.append({"a": a, "b": b, **cmp})
+    return out
+
+
 def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:+.3f}%"
 

@@ -81,6 +81,28 @@ def _summary(ds: dict) -> dict:
     return {"d_tail": ds, "tail": S.paired_interval(list(ds.values()))}
 
 
+def test_rows_are_ranked_against_pagedopts_row_of_their_width():
+    """Each 8-bit (4-bit) row against pagedopt_8bit (pagedopt_4bit), and 4-bit against 8-bit, paired
+    over the seeds both ran; d of one seed shared by two rows cancels (here seed 1's +0.5%)."""
+    p8 = _summary({"0": 0.0010, "1": 0.0050, "2": 0.0001})
+    b8 = _summary({"0": 0.0009, "1": 0.0049, "2": 0.0000, "3": 9.0})
+    p4 = _summary({"0": 0.0030, "1": 0.0070})
+    cand = _summary({"0": 0.0020, "1": 0.0050})
+    t4 = _summary({"0": 0.0040, "1": 0.0090})
+    got = {(r["a"], r["b"]): r for r in S.rankings({"fp32": _summary({"0": 0.0, "1": 0.0}), "pagedopt_8bit": p8,
+                                                    "bnb_8bit": b8, "pagedopt_4bit": p4,
+                                                    "pagedopt_4bit_msym": cand, "torchao_4bit": t4}, 5e-4)}
+    assert set(got) == {("pagedopt_8bit", "bnb_8bit"), ("pagedopt_4bit", "pagedopt_8bit"),
+                        ("pagedopt_4bit", "pagedopt_4bit_msym"), ("pagedopt_4bit", "torchao_4bit")}
+    pair = got[("pagedopt_8bit", "bnb_8bit")]
+    # differences 1e-4, 1e-4, 1e-4 (seed 3 unpaired): mean 1e-4 and no spread, where against fp32 the
+    # rows' own d spread over 0.01-0.5%
+    assert pair["n"] == 3 and pair["mean"] == pytest.approx(1e-4) and pair["half_width"] == pytest.approx(0, abs=1e-15)
+    assert got[("pagedopt_4bit", "torchao_4bit")]["mean"] == pytest.approx(-0.0015)
+    assert got[("pagedopt_4bit", "pagedopt_8bit")]["mean"] == pytest.approx(0.0020)
+    assert S.rankings({"pagedopt_8bit": p8}, 5e-4) == []
+
+
 def test_goals():
     p8, b8 = _summary({"0": 0.0005, "1": 0.0007}), _summary({"0": 0.0010, "1": 0.0009})
     p4, t4 = _summary({"0": 0.0020, "1": 0.0025}), _summary({"0": 0.0030, "1": 0.0040})
@@ -109,6 +131,22 @@ def test_rows_resolve_lazily():
     assert R.ROWS["bnb_8bit"].missing("cpu") == "needs CUDA"
     assert R.ROWS["fp32"].missing("cpu") is None and R.ROWS["pagedopt_8bit"].missing("cpu") is None
     assert set(R.DEFAULT_ROWS) <= set(R.ROWS) and R.DEFAULT_ROWS[0] == "fp32"
+
+
+def test_the_candidate_m_maps():
+    """msym: torchao's 4-bit map of m (the dynamic map with -1 traded for -0.0055); msymnz: 0 traded
+    instead. 16 sorted codes each, symmetric about 0 where the name says so."""
+    import pagedopt.quant as quant
+
+    de = quant.dynamic_codebook_4bit(True).tolist()
+    small = min(c for c in de if c > 0)
+    sym, symnz = R._signed_map("sym"), R._signed_map("symnz")
+    for code in (sym, symnz):
+        assert len(code) == 16 and code == sorted(code) and len(set(code)) == 16
+    assert -1.0 not in sym and 0.0 in sym and -small in sym and 1.0 in sym
+    assert 0.0 not in symnz and sorted(-c for c in symnz) == symnz and 1.0 in symnz
+    ao = pytest.importorskip("torchao.optim.quant_utils")
+    assert sym == pytest.approx(sorted(ao.create_dynamic_map(True, 3, 4)), abs=1e-7)
 
 
 def test_the_candidate_v_map_row_differs_from_the_default_only_in_qmap2():
@@ -303,3 +341,20 @@ def test_quality_smoke(tmp_path):
     assert len(doc["goals"]) == 5 and "paired d" in proc.stdout and "goals (issue 30)" in proc.stdout
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "quality.png").stat().st_size > 0
+    # the report again from the rows' files alone (what a run stopped from outside leaves)
+    (tmp_path / "quality.json").unlink()
+    rep = subprocess.run([sys.executable, os.path.join(BENCH, "quality.py"), "--smoke", "--report", str(tmp_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stdout[-3000:] + rep.stderr[-3000:]
+    again = json.loads((tmp_path / "quality.json").read_text())
+    assert again["from_rows"] == str(tmp_path) and again["determinism"]["identical"] is True
+    ran = [n for n, r in rows.items() if "skipped" not in r]
+    assert [r["name"] for r in again["rows"]] == ran  # the rows with files, fp32 first
+    for name in ran:
+        assert next(r for r in again["rows"] if r["name"] == name)["summary"]["d_tail"] == rows[name]["summary"]["d_tail"]
+    assert "--report of the rows in" in rep.stdout
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad = subprocess.run([sys.executable, os.path.join(BENCH, "quality.py"), "--smoke", "--report", str(empty)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "no row_fp32.json" in bad.stderr

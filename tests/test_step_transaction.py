@@ -317,7 +317,7 @@ def test_a_steps_temporaries_fit_the_reserved_workspace(cls, kwargs, dtype, tran
 def test_the_engines_own_temporaries_are_those_the_cuda_sources_bound():
     """kernels.ENGINE_BYTES_PER_TENSOR is the bound the CUDA engine's static_assert checks its
     per-tensor allocations against, and CODE_TABLE_BYTES the size of its search table (8192
-    uint32 entries: kBucketEntries = 2 * kNegOffset)."""
+    uint32 entries: kBucketEntries = 2 * kNegOffset), CODE_TABLE4_BYTES the 4-bit one's (8196)."""
     import re
 
     from pagedopt.optim import kernels
@@ -330,3 +330,10 @@ def test_the_engines_own_temporaries_are_those_the_cuda_sources_bound():
     neg = re.search(r"constexpr uint32_t kNegOffset = (\d+);", table)
     assert "kBucketEntries = 2 * kNegOffset;" in table and "uint32_t entry[kBucketEntries];" in table
     assert 2 * int(neg.group(1)) * 4 == kernels.CODE_TABLE_BYTES
+    # the 4-bit tables (code_table4.cuh: kBucketEntries4 = kMinusZero4 + 4, kMinusZero4 = 2 * kNegOffset4)
+    table4 = open(os.path.join(root, "code_table4.cuh")).read()
+    neg4 = re.search(r"constexpr uint32_t kNegOffset4 = (\d+);", table4)
+    assert "kMinusZero4 = 2 * kNegOffset4;" in table4 and "kBucketEntries4 = kMinusZero4 + 4;" in table4
+    assert "uint32_t entry[kBucketEntries4];" in table4
+    assert (2 * int(neg4.group(1)) + 4) * 4 == kernels.CODE_TABLE4_BYTES
+    assert "sizeof(CodeTable) == 8192 * 4 && sizeof(CodeTable4) == 8196 * 4" in step

@@ -399,6 +399,8 @@ void step_algorithm(at::TensorList params, at::TensorList grads, at::TensorList 
   const bool tables = bits == StateBits::k8 && !norms.has_value();
   const bool tables4 = four_bit && !norms.has_value();
   const bool rounding = sr.on && !norms.has_value();
+  static_assert(sizeof(CodeTable) == 8192 * 4 && sizeof(CodeTable4) == 8196 * 4,
+                "kernels.CODE_TABLE_BYTES / CODE_TABLE4_BYTES count the engine's search tables");
   const size_t tables_bytes = tables    ? Algo::kKeys * sizeof(CodeTable)
                               : tables4 ? Algo::kKeys * sizeof(CodeTable4)
                                         : 0;

@@ -51,17 +51,18 @@ def run(spec: AlgorithmSpec, pager, param_groups: list[dict], plan: StepPlan, wo
     """The ordinary step of ``plan``: ``work_params``/``work_grads`` are step()'s parameters with
     gradients (local shards of DTensor parameters), in the plan's order, all checked (``begin``:
     see count_and_step)."""
-    def inputs(bucket):
+    inputs = []  # each bucket's (params, grads), gathered once for the workspace and the step
+    for bucket in plan.buckets:
         grads = [work_grads[k] for k in bucket.index]
-        return ([work_params[k] for k in bucket.index] if plan.sharded else bucket.params), grads
+        inputs.append(([work_params[k] for k in bucket.index] if plan.sharded else bucket.params, grads))
 
     def one_bucket(i, bucket, scale, inf):
-        params, grads = inputs(bucket)
+        params, grads = inputs[i]
         step_bucket(spec, pager, group_of(param_groups, bucket), bucket, params, grads, contiguous, scale, inf)
 
     workspace: dict = {}
-    for bucket in plan.buckets:
-        nbytes = kernels.workspace_bytes(spec, bucket, group_of(param_groups, bucket), *inputs(bucket), contiguous,
+    for bucket, (params, grads) in zip(plan.buckets, inputs):
+        nbytes = kernels.workspace_bytes(spec, bucket, group_of(param_groups, bucket), params, grads, contiguous,
                                          runs_held(bucket, contiguous, pager))
         workspace[bucket.device] = max(workspace.get(bucket.device, 0), nbytes)
     count_and_step(pager, plan, one_bucket, grad_scale, found_inf, begin, workspace)

@@ -35,7 +35,7 @@ from .algorithms.spec import AlgorithmSpec
 from .plan import ENGINE, FUSED32, STATELESS, Bucket
 from .residency import Chunk, write_back
 from .sharding import is_dtensor
-from .state_format import CODES8
+from .state_format import CODES4, CODES8
 
 # fp32 copies of 16-bit params and grads for torch's fused 32-bit step: at most this many elements
 # at a time (2 x 4 bytes each: 64 MiB), tensors cut at multiples of FP32_COPY_ALIGN elements (torch's
@@ -45,7 +45,8 @@ FP32_COPY_NUMEL = 8 << 20
 FP32_COPY_ALIGN = 1024
 
 # What one launch of the CUDA engine allocates itself (csrc/cuda/quantized_step.cu): the work
-# buffer, with an 8-bit step's search table per state key (CodeTable: 8192 uint32 entries) and,
+# buffer, with a search table per state key (an 8-bit step's CodeTable: 8192 uint32 entries; a
+# 4-bit step's CodeTable4: 8196) and,
 # per tensor, the algorithm's constants and a stochastic-rounding stream; and the tensors' metadata
 # table (TensorMeta and block starts), kept for the next launch on the same tensors (a new one when
 # a tensor moved, e.g. a contiguous copy). Per tensor at most ENGINE_BYTES_PER_TENSOR of both (a
@@ -53,6 +54,7 @@ FP32_COPY_ALIGN = 1024
 # allocator's rounding of the two allocations up to 512 bytes. Measured on an H100 (AdamW8bit, two
 # tensors, one transposed): 66560 bytes beyond the contiguous copies.
 CODE_TABLE_BYTES = 8192 * 4
+CODE_TABLE4_BYTES = 8196 * 4
 ENGINE_BYTES_PER_TENSOR = 256
 ENGINE_FIXED_BYTES = 3 * 8 + 2 * 512
 
@@ -74,8 +76,9 @@ def workspace_bytes(spec: AlgorithmSpec, bucket: Bucket, group: dict, params: li
     total = engine_bytes(spec, bucket, len(params)) if bucket.kernel == ENGINE or rounds else 0
     if held_step:
         return total
-    total += sum(t.numel() * t.element_size() for pair in zip(params, grads) for t in pair
-                 if not contiguous and not t.is_contiguous())
+    if not contiguous:  # (checked once: a generator over every tensor costs ~0.1 ms a 1000 tensors)
+        total += sum(t.numel() * t.element_size() for pair in zip(params, grads) for t in pair
+                     if not t.is_contiguous())
     if bucket.kernel == FUSED32 and params[0].dtype != torch.float32 and not rounds:
         total += 2 * 4 * min(FP32_COPY_NUMEL, sum(p.numel() for p in params))
     if spec.norm_scaled:
@@ -86,9 +89,10 @@ def workspace_bytes(spec: AlgorithmSpec, bucket: Bucket, group: dict, params: li
 def engine_bytes(spec: AlgorithmSpec, bucket: Bucket, n_tensors: int) -> int:
     """At most what the engine's launches for ``n_tensors`` tensors of the bucket allocate on a GPU
     (see ENGINE_BYTES_PER_TENSOR): the norm pass of a norm-scaled algorithm is a launch of its own,
-    whose metadata stays while the update's launch runs; only the 8-bit update carries tables."""
+    whose metadata stays while the update's launch runs; an 8-bit or 4-bit update carries a search
+    table per state key (counted for every launch of those formats: an upper bound)."""
     launches = 2 if spec.norm_scaled else 1
-    tables = len(spec.states) * CODE_TABLE_BYTES if bucket.fmt is CODES8 else 0
+    tables = len(spec.states) * {CODES8: CODE_TABLE_BYTES, CODES4: CODE_TABLE4_BYTES}.get(bucket.fmt, 0)
     return launches * (ENGINE_BYTES_PER_TENSOR * n_tensors + ENGINE_FIXED_BYTES) + tables
 
 
