@@ -13,6 +13,8 @@ Two measurements:
     map with its zero code replaced by half its smallest positive one, "v_map=de0_floor"):
     ||deq(q(x)) - x|| / ||x|| for m and v, and for the update u = m_hat / (sqrt(v_hat) + eps)
     with m alone quantized (u_m_err) and with both (u_err);
+  * normalized (both sources): the trajectory with m stored as itself or as r = m / (sqrt(v) + eps),
+    whose elements all lie in about [-1, 1] whatever their gradients' scale (stored_trajectory);
   * trajectory (walk only): Adam run T steps with its states stored in 4 bits after every step
     (dequantize, update, requantize; v kept in fp32 for "v_map=fp32"), the mean over steps of
     ||u_4bit - u_fp32|| / ||u_fp32||.
@@ -152,6 +154,66 @@ def trajectory(rows_, cols, steps, code_m, code_v, block):
     return sum(errs) / len(errs)
 
 
+def mlp_gradients(steps, seed=0):
+    """The gradients of the MLP's middle weight (256 x 256) while torch.optim.Adam fits it (mlp_moments'
+    model and teacher), one flat tensor a step."""
+    torch.manual_seed(seed)
+    teacher = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 10))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(BETA1, BETA2), eps=EPS)
+    for _ in range(steps):
+        x = torch.randn(128, 64)
+        loss = torch.nn.functional.mse_loss(model(x), teacher(x).detach())
+        opt.zero_grad()
+        loss.backward()
+        yield model[2].weight.grad.reshape(-1).clone()
+        opt.step()
+
+
+def stored_trajectory(grads, store: str, code_m, code_v, block: int, skip: int = 10) -> float:
+    """Mean over steps (after ``skip``) of the update's relative error against fp32 Adam when the
+    first moment is stored as m itself (``store="m"``) or as r = m / (sqrt(v) + eps) (``"r"``:
+    every element's stored value is its own update's size, in [-1, 1] roughly, so a block's
+    absmax no longer leaves its small elements a few codes; m = r * (sqrt(v) + eps) with the v
+    read back). v is stored with ``code_v``; None for either code: kept in fp32."""
+    m32 = v32 = mq = vq = None
+    errs = []
+    for t, g in enumerate(grads, start=1):
+        if m32 is None:
+            m32, v32, mq, vq = (torch.zeros_like(g) for _ in range(4))
+        m32 = BETA1 * m32 + (1 - BETA1) * g
+        v32 = BETA2 * v32 + (1 - BETA2) * g * g
+        m = BETA1 * mq + (1 - BETA1) * g   # mq: m read back (from r and the v read back, for "r")
+        v = BETA2 * vq + (1 - BETA2) * g * g
+        if t > skip:
+            errs.append(rel(update(m, v, t), update(m32, v32, t)))
+        vq = roundtrip(v, code_v, block) if code_v is not None else v
+        if store == "m":
+            mq = roundtrip(m, code_m, block) if code_m is not None else m
+        else:
+            scale = vq.sqrt() + EPS
+            r = m / scale
+            mq = (roundtrip(r, code_m, block) if code_m is not None else r) * scale
+    return sum(errs) / len(errs)
+
+
+def normalized_rows(steps: int, rows_: int, cols: int, maps: dict) -> list[dict]:
+    """m stored as itself against r = m / (sqrt(v) + eps), with the maps de, linear and normal
+    (signed_maps), v with the no-zero linear map, block 128, on both sources (walk and the MLP's
+    middle weight)."""
+    out = []
+    codes = {"de": maps["de"], "linear": maps["linear"], "normal": maps["normal"]}
+    sources = {"walk": lambda: walk_gradients(rows_, cols, steps), "mlp": lambda: mlp_gradients(steps)}
+    for src, grads in sources.items():
+        for store in ("m", "r"):
+            for name, code in codes.items():
+                out.append(dict(source=src, stored=store, m_map=name, block=128,
+                                u_err=stored_trajectory(grads(), store, code, linear_codebook_4bit_no_zero(), 128,
+                                                        skip=min(10, steps // 2))))
+    return out
+
+
 def table(rows, keys, title):
     lines = [f"{title}", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
@@ -185,12 +247,15 @@ def main(argv=None):
                 traj.append(dict(m_map=name, v_map=vname, block=block,
                                  u_err=trajectory(args.rows, args.cols, args.steps, code, code_v, block)))
     results["walk_trajectory"] = traj
+    results["normalized_trajectory"] = normalized_rows(args.steps, args.rows, args.cols, maps)
     keys = ["m_map", "v_map", "block", "m_err", "v_err", "u_m_err", "u_err"]
     text = "\n\n".join([table(results["walk_one_shot"], keys, "walk, one-shot"),
                         table(results["mlp_one_shot"], keys, "mlp, one-shot"),
-                        table(traj, ["m_map", "v_map", "block", "u_err"], "walk, trajectory (mean update error)")])
+                        table(traj, ["m_map", "v_map", "block", "u_err"], "walk, trajectory (mean update error)"),
+                        table(results["normalized_trajectory"], ["source", "stored", "m_map", "block", "u_err"],
+                              "m stored as m or as r = m / (sqrt(v) + eps), trajectory (mean update error)")])
     print(text)
-    for section in ("walk_one_shot", "mlp_one_shot", "walk_trajectory"):
+    for section in ("walk_one_shot", "mlp_one_shot", "walk_trajectory", "normalized_trajectory"):
         for r in results[section]:
             assert all(math.isfinite(r[k]) for k in r if k.endswith("_err")), r
     if args.out:

@@ -127,6 +127,11 @@ def _signed_map(kind: str) -> list:
     from pagedopt import quant
     code = quant.dynamic_codebook_4bit(True).tolist()
     smallest = min(c for c in code if c > 0)
+    if kind == "normal":  # bench_maps4's "normal": 0, 8 positive and 7 negative quantiles of N(0, 1)
+        tail = 0.5 * (1 / 32 + 1 / 30)
+        q_pos = torch.special.ndtri(torch.linspace(0.5, 1 - tail, 9, dtype=torch.float64)[1:])
+        q_neg = torch.special.ndtri(torch.linspace(0.5, 1 - tail, 8, dtype=torch.float64)[1:])
+        return sorted([0.0] + (q_pos / q_pos.max()).tolist() + (-q_neg / q_neg.max()).tolist())
     if kind == "sym":
         code = [c for c in code if c != -1.0] + [-smallest]
     elif kind == "symnz":
@@ -152,13 +157,85 @@ def _adamw4bit_m_map(kind: str):
     return AdamW4bitMMap
 
 
+class Emulated4bitAdamW(torch.optim.Optimizer):
+    """AdamW whose states are rounded through a 4-bit blockwise format after every step, in pure torch
+    (pagedopt.quant's reference quantizer, block 128): a candidate format's quality before any
+    kernel exists. ``store="m"`` keeps m as pagedopt's 4-bit states do (its fidelity should match
+    pagedopt_4bit's); ``store="r"`` keeps r = m / (sqrt(v) + eps) instead, with the v read back,
+    and m = r * (sqrt(v) + eps) when read (bench_maps4's stored_trajectory). Tensors under 4096
+    elements keep fp32 states, as pagedopt's min_8bit_size does. The states are kept dequantized
+    (fp32 tensors holding the values a 4-bit state would give back)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, store="m", m_map="de"):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        from pagedopt import quant
+        self.store = store
+        self.code_v = quant.linear_codebook_4bit_no_zero()
+        if m_map == "de":
+            self.code_m = quant.dynamic_codebook_4bit(True)
+        else:
+            self.code_m = torch.tensor(_signed_map(m_map), dtype=torch.float32)
+
+    @staticmethod
+    def _round(x, code):
+        from pagedopt import quant
+        flat = x.reshape(-1)
+        q, a = quant.quantize_blockwise_reference(flat, code.to(x.device), 128)
+        return quant.dequantize_blockwise_reference(q, a, code.to(x.device), 128).reshape(x.shape)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.float()
+                st = self.state[p]
+                if not st:
+                    st["step"] = 0
+                    st["exp_avg"] = torch.zeros_like(g)
+                    st["exp_avg_sq"] = torch.zeros_like(g)
+                st["step"] += 1
+                t = st["step"]
+                m = b1 * st["exp_avg"] + (1 - b1) * g
+                v = b2 * st["exp_avg_sq"] + (1 - b2) * g * g
+                p.mul_(1 - lr * wd)
+                p.add_(-(lr / (1 - b1**t)) * m / ((v / (1 - b2**t)).sqrt() + eps))
+                if p.numel() < 4096:
+                    st["exp_avg"], st["exp_avg_sq"] = m, v
+                    continue
+                vq = self._round(v, self.code_v)
+                if self.store == "m":
+                    mq = self._round(m, self.code_m)
+                else:
+                    scale = vq.sqrt() + eps
+                    mq = self._round(m / scale, self.code_m) * scale
+                st["exp_avg"], st["exp_avg_sq"] = mq, vq
+
+
+def _emulated(store: str, m_map: str):
+    class Emulated(Emulated4bitAdamW):
+        def __init__(self, params, **kw):
+            super().__init__(params, store=store, m_map=m_map, **kw)
+
+    Emulated.__name__ = f"Emulated4bit_{store}_{m_map}"
+    return Emulated
+
+
 def __getattr__(name: str):  # the candidate classes, made when a row looks them up (pagedopt imported then)
+    if name.startswith("Emulated4bit_"):
+        _, store, m_map = name.split("_")
+        return _emulated(store, m_map)
     if name == "AdamW4bitVFloor":
         return _adamw4bit_v_floor()
     if name == "AdamW4bitMSym":
         return _adamw4bit_m_map("sym")
     if name == "AdamW4bitMSymnz":
         return _adamw4bit_m_map("symnz")
+    if name == "AdamW4bitMNormal":
+        return _adamw4bit_m_map("normal")
     raise AttributeError(name)
 
 
@@ -204,6 +281,12 @@ ROWS = {r.name: r for r in (
     # candidate 4-bit maps of m (quality_rows._signed_map), beside pagedopt_4bit
     Row("pagedopt_4bit_msym", "quality_rows:AdamW4bitMSym", read_blockwise, "pagedopt", 4),
     Row("pagedopt_4bit_msymnz", "quality_rows:AdamW4bitMSymnz", read_blockwise, "pagedopt", 4),
+    Row("pagedopt_4bit_mnormal", "quality_rows:AdamW4bitMNormal", read_blockwise, "pagedopt", 4),
+    # 4-bit formats emulated in pure torch (Emulated4bitAdamW): m stored as itself (the control: it
+    # should match pagedopt_4bit) or as r = m / (sqrt(v) + eps)
+    Row("emulated_4bit_m_de", "quality_rows:Emulated4bit_m_de", read_torch, "emulated", 4),
+    Row("emulated_4bit_r_de", "quality_rows:Emulated4bit_r_de", read_torch, "emulated", 4),
+    Row("emulated_4bit_r_normal", "quality_rows:Emulated4bit_r_normal", read_torch, "emulated", 4),
 )}
 DEFAULT_ROWS = ("fp32", "fp32_nudged", "pagedopt_8bit", "pagedopt_4bit", "bnb_8bit", "torchao_8bit", "torchao_4bit")
 SMOKE_ROWS = ("fp32", "pagedopt_8bit")

@@ -32,6 +32,23 @@ def test_smoke_writes_finite_figures(tmp_path):
                     # (the point of that row), the others stay of order 1
                     assert 0 < r[k] < (float("inf") if r["v_map"] == "de0" and k == "u_err" else 10), (section, r)
     assert (tmp_path / "maps4.txt").read_text().startswith("walk, one-shot")
+    norm = results["normalized_trajectory"]
+    assert {(r["source"], r["stored"]) for r in norm} == {(s, k) for s in ("walk", "mlp") for k in ("m", "r")}
+    assert all(0 < r["u_err"] < 10 for r in norm), norm
+
+
+def test_stored_trajectories_are_exact_without_quantization_and_not_with_it():
+    """With no code the stored m (or r = m / (sqrt(v) + eps), multiplied back) is the fp32 Adam's:
+    the error is 0 for m and float rounding for r (a divide and a multiply, ~1e-7 relative per
+    step, accumulated over 12 steps with beta1 0.9: under 1e-5); with 4-bit codes it is not."""
+    bench = load()
+    code = bench.signed_maps()["de"]
+    grads = lambda: bench.walk_gradients(16, 32, 12)  # noqa: E731
+    assert bench.stored_trajectory(grads(), "m", None, None, 128, skip=2) == 0.0
+    assert bench.stored_trajectory(grads(), "r", None, None, 128, skip=2) < 1e-5
+    for store in ("m", "r"):
+        err = bench.stored_trajectory(grads(), store, code, bench.linear_codebook_4bit_no_zero(), 128, skip=2)
+        assert 0.01 < err < 2.0, (store, err)
 
 
 def test_candidate_maps_and_roundtrip():

@@ -133,6 +133,39 @@ def test_rows_resolve_lazily():
     assert set(R.DEFAULT_ROWS) <= set(R.ROWS) and R.DEFAULT_ROWS[0] == "fp32"
 
 
+def test_the_emulated_format_matches_torch_adamw_on_small_tensors_and_rounds_large_ones():
+    """Emulated4bitAdamW: tensors under 4096 elements keep fp32 states, so its step is torch AdamW's
+    (to float rounding: the same formula, other operation order); a larger tensor's states hold
+    4-bit values (16 distinct values a 128-block for m stored as itself, at most 16 for v), and
+    r-storage gives back m = r * (sqrt(v) + eps) with r on the map."""
+    torch.manual_seed(0)
+    small = torch.nn.Parameter(torch.randn(32, 32))
+    big = torch.nn.Parameter(torch.randn(64, 128))
+    twin = torch.nn.Parameter(small.detach().clone())
+    opt = R.lookup("quality_rows:Emulated4bit_m_de")([small, big], lr=1e-2, **R.HYPER)
+    ref = torch.optim.AdamW([twin], lr=1e-2, **R.HYPER)
+    for _ in range(3):
+        g = torch.randn(32, 32)
+        small.grad, twin.grad, big.grad = g.clone(), g.clone(), torch.randn(64, 128)
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(small, twin, rtol=1e-5, atol=1e-6)  # fp32 rounding of two formulas
+    m, v = opt.state[big]["exp_avg"], opt.state[big]["exp_avg_sq"]
+    for block in m.reshape(-1, 128):
+        assert block.unique().numel() <= 16
+    for block in v.reshape(-1, 128):
+        assert block.unique().numel() <= 16 and (block > 0).all()  # v's map has no zero
+    r_opt = R.lookup("quality_rows:Emulated4bit_r_normal")([big], lr=1e-2, **R.HYPER)
+    big.grad = torch.randn(64, 128)
+    r_opt.step()
+    st = r_opt.state[big]
+    r = st["exp_avg"] / (st["exp_avg_sq"].sqrt() + R.HYPER["eps"])
+    for block in r.reshape(-1, 128):  # r on the normal map times the block's absmax: 16 values at most
+        # (r read back through m / (sqrt(v) + eps) carries float rounding, ~1e-7 relative: compared to
+        # 1e-4 of the block's absmax, far finer than the map's gaps, >= 0.08)
+        assert torch.round(block / block.abs().max() * 1e4).unique().numel() <= 16
+
+
 def test_the_candidate_m_maps():
     """msym: torchao's 4-bit map of m (the dynamic map with -1 traded for -0.0055); msymnz: 0 traded
     instead. 16 sorted codes each, symmetric about 0 where the name says so."""
@@ -145,6 +178,14 @@ def test_the_candidate_m_maps():
         assert len(code) == 16 and code == sorted(code) and len(set(code)) == 16
     assert -1.0 not in sym and 0.0 in sym and -small in sym and 1.0 in sym
     assert 0.0 not in symnz and sorted(-c for c in symnz) == symnz and 1.0 in symnz
+    normal = R._signed_map("normal")  # bench_maps4's normal-quantile map, the same 16 codes
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_maps4
+    finally:
+        sys.path.remove(BENCH)
+    assert normal == pytest.approx(bench_maps4.signed_maps()["normal"].tolist(), abs=1e-7)
+    assert len(normal) == 16 and {-1.0, 0.0, 1.0} <= set(normal)
     ao = pytest.importorskip("torchao.optim.quant_utils")
     assert sym == pytest.approx(sorted(ao.create_dynamic_map(True, 3, 4)), abs=1e-7)
 
