@@ -120,13 +120,16 @@ def _adamw4bit_v_floor():
 
 
 def _signed_map(kind: str) -> list:
-    """Candidate 4-bit maps of m, made from the signed dynamic map (-1, the 6 negative codes above
-    -0.0055's place, 0, 0.0055 .. 1): "sym" trades -1 for -0.0055 (a map symmetric about 0 without
-    -1: the negative block maxima land on -0.8875), "symnz" trades 0 for -0.0055 (symmetric, both
-    extremes, no zero: an m of 0 is stored as +-0.0055 of its block's absmax)."""
+    """Candidate 4-bit maps of m: "de" the signed dynamic map (-1, the 6 negative codes above
+    -0.0055's place, 0, 0.0055 .. 1; the default before 2026-12-07), "normal" normal quantiles (the
+    default since), and from the dynamic map: "sym" trades -1 for -0.0055 (torchao's map, symmetric
+    about 0 without -1: the negative block maxima land on -0.8875), "symnz" trades 0 for -0.0055
+    (symmetric, both extremes, no zero: an m of 0 is stored as +-0.0055 of its block's absmax)."""
     from pagedopt import quant
     code = quant.dynamic_codebook_4bit(True).tolist()
     smallest = min(c for c in code if c > 0)
+    if kind == "de":  # the dynamic map, 4-bit states' first map before 2026-12-07
+        return sorted(code)
     if kind == "normal":  # bench_maps4's "normal": 0, 8 positive and 7 negative quantiles of N(0, 1)
         tail = 0.5 * (1 / 32 + 1 / 30)
         q_pos = torch.special.ndtri(torch.linspace(0.5, 1 - tail, 9, dtype=torch.float64)[1:])
@@ -234,8 +237,8 @@ def __getattr__(name: str):  # the candidate classes, made when a row looks them
         return _adamw4bit_m_map("sym")
     if name == "AdamW4bitMSymnz":
         return _adamw4bit_m_map("symnz")
-    if name == "AdamW4bitMNormal":
-        return _adamw4bit_m_map("normal")
+    if name == "AdamW4bitMDe":
+        return _adamw4bit_m_map("de")
     raise AttributeError(name)
 
 
@@ -281,7 +284,7 @@ ROWS = {r.name: r for r in (
     # candidate 4-bit maps of m (quality_rows._signed_map), beside pagedopt_4bit
     Row("pagedopt_4bit_msym", "quality_rows:AdamW4bitMSym", read_blockwise, "pagedopt", 4),
     Row("pagedopt_4bit_msymnz", "quality_rows:AdamW4bitMSymnz", read_blockwise, "pagedopt", 4),
-    Row("pagedopt_4bit_mnormal", "quality_rows:AdamW4bitMNormal", read_blockwise, "pagedopt", 4),
+    Row("pagedopt_4bit_mde", "quality_rows:AdamW4bitMDe", read_blockwise, "pagedopt", 4),  # the old m map
     # 4-bit formats emulated in pure torch (Emulated4bitAdamW): m stored as itself (the control: it
     # should match pagedopt_4bit) or as r = m / (sqrt(v) + eps)
     Row("emulated_4bit_m_de", "quality_rows:Emulated4bit_m_de", read_torch, "emulated", 4),

@@ -6,7 +6,8 @@ It is the same map bitsandbytes uses, so checkpoints carry over.
 
 4-bit states (csrc/include/pagedopt/four_bit.h) take a 16-entry codebook, two codes a byte
 (element i in byte i // 2: the low nibble for an even i, the high one for an odd i) and one absmax
-per STATE_BLOCK_SIZE_4 = 128 elements: dynamic_codebook_4bit for the first moment,
+per STATE_BLOCK_SIZE_4 = 128 elements: normal_codebook_4bit for the first moment (states made
+before 2026-12-07 carry dynamic_codebook_4bit in their qmap1, which they keep),
 linear_codebook_4bit_no_zero for the second (bench/RESULTS.md, "4-bit maps", says why).
 
 The reference functions here are what the tests hold the C++/CUDA kernels to.
@@ -168,10 +169,26 @@ def _dynamic_map_4bit(signed: bool) -> list[float]:
     return values
 
 
+def _normal_map_4bit() -> list[float]:
+    """Quantiles of the standard normal, scaled to [-1, 1] (the construction of NF4, Dettmers et
+    al., "QLoRA", 2023): 0, the quantiles at 8 probabilities evenly spaced from 0.5 (excluded) to
+    1 - (1/32 + 1/30) / 2 on the positive side and at 7 on the negative one, each side divided by
+    its largest, so that both -1 and 1 are codes. A block's normalized first moment is spread like
+    that (most values a fraction of the block's largest), and a stored m, rounded again after every
+    step, keeps more of its small increments there than on the dynamic map, whose codes crowd near
+    0: bench/bench_maps4.py's trajectories and bench/quality.py's fidelity, bench/RESULTS.md."""
+    top = 1.0 - 0.5 * (1.0 / 32.0 + 1.0 / 30.0)
+    pos = torch.special.ndtri(torch.linspace(0.5, top, 9, dtype=torch.float64)[1:])
+    neg = torch.special.ndtri(torch.linspace(0.5, top, 8, dtype=torch.float64)[1:])
+    return [0.0] + (pos / pos.max()).tolist() + (-neg / neg.max()).tolist()
+
+
 @functools.lru_cache(maxsize=None)
 def _map4_cpu(kind: str) -> torch.Tensor:
     if kind == "linear_no_zero":
         values = [(i + 1) / CODEBOOK_SIZE_4 for i in range(CODEBOOK_SIZE_4)]
+    elif kind == "normal":
+        values = _normal_map_4bit()
     else:
         values = _dynamic_map_4bit(kind == "signed")
     code = torch.tensor(sorted(values), dtype=torch.float32)
@@ -182,6 +199,12 @@ def dynamic_codebook_4bit(signed: bool = True, device: torch.device | str | None
     """The 16-entry dynamic-exponent codebook, sorted ascending, as a new float32 tensor: for the
     first moment (signed: holds 0, -1 and 1). See _dynamic_map_4bit."""
     return _map4_cpu("signed" if signed else "unsigned").clone().to(device if device is not None else "cpu")
+
+
+def normal_codebook_4bit(device: torch.device | str | None = None) -> torch.Tensor:
+    """The first moment's 16-entry 4-bit codebook, sorted ascending, as a new float32 tensor: normal
+    quantiles holding 0, -1 and 1 (see _normal_map_4bit)."""
+    return _map4_cpu("normal").clone().to(device if device is not None else "cpu")
 
 
 def linear_codebook_4bit_no_zero(device: torch.device | str | None = None) -> torch.Tensor:

@@ -14,8 +14,8 @@
 import torch
 
 from pagedopt import _ops
-from pagedopt.quant import (STATE_BLOCK_SIZE_4, dequantize_4bit_reference, dynamic_codebook_4bit,
-                            linear_codebook_4bit_no_zero, quantize_4bit_reference)
+from pagedopt.quant import (STATE_BLOCK_SIZE_4, dequantize_4bit_reference, linear_codebook_4bit_no_zero,
+                            normal_codebook_4bit, quantize_4bit_reference)
 
 from reference import _f32, _fma
 
@@ -36,7 +36,8 @@ ALGORITHMS = {
 
 
 def codebooks(kinds, device="cpu"):
-    return [dynamic_codebook_4bit(True, device) if k == "m" else linear_codebook_4bit_no_zero(device) for k in kinds]
+    # the optimizers' maps (base.codebooks_on): the normal-quantile map for signed states
+    return [normal_codebook_4bit(device) if k == "m" else linear_codebook_4bit_no_zero(device) for k in kinds]
 
 
 def packed(n):

@@ -186,6 +186,10 @@ def test_the_candidate_m_maps():
         sys.path.remove(BENCH)
     assert normal == pytest.approx(bench_maps4.signed_maps()["normal"].tolist(), abs=1e-7)
     assert len(normal) == 16 and {-1.0, 0.0, 1.0} <= set(normal)
+    import pagedopt.quant as quant_
+
+    assert normal == pytest.approx(quant_.normal_codebook_4bit().tolist(), abs=1e-7)  # the default's values
+    assert R._signed_map("de") == quant_.dynamic_codebook_4bit(True).tolist()  # the old default
     ao = pytest.importorskip("torchao.optim.quant_utils")
     assert sym == pytest.approx(sorted(ao.create_dynamic_map(True, 3, 4)), abs=1e-7)
 
@@ -392,7 +396,8 @@ def test_quality_smoke(tmp_path):
     ran = [n for n, r in rows.items() if "skipped" not in r]
     assert [r["name"] for r in again["rows"]] == ran  # the rows with files, fp32 first
     for name in ran:
-        assert next(r for r in again["rows"] if r["name"] == name)["summary"]["d_tail"] == rows[name]["summary"]["d_tail"]
+        redone = next(r for r in again["rows"] if r["name"] == name)
+        assert redone["summary"]["d_tail"] == rows[name]["summary"]["d_tail"]
     assert "--report of the rows in" in rep.stdout
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -115,8 +115,8 @@ int main(int argc, char** argv) {
     bool fits = false;
     bad += check_codebook(code, step, rng, fits);
     maps_unfit += !fits;
-    // the first map (m's) is signed, the others (v's) may take the search without sign
-    wrongly_fit += codebook4_unsigned(code) != (f > 2);
+    // the signed maps (m's: they hold -1) are not unsigned; the others (v's) take the search without sign
+    wrongly_fit += codebook4_unsigned(code) != (code[0] >= 0.0f);
   }
   for (int trial = 0; trial < 60; ++trial) {  // random sorted codebooks: those that fit must be exact
     float code[16];
@@ -185,8 +185,8 @@ def test_host_build_of_the_four_bit_search_table(tmp_path):
     subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", f"-I{root / 'csrc' / 'include'}",
                     f"-I{root / 'csrc' / 'cuda'}", str(src), "-o", str(exe)], check=True)
     files = []
-    for i, code in enumerate((quant.dynamic_codebook_4bit(True), quant.dynamic_codebook_4bit(False),
-                              quant.linear_codebook_4bit_no_zero())):
+    for i, code in enumerate((quant.normal_codebook_4bit(), quant.dynamic_codebook_4bit(True),
+                              quant.dynamic_codebook_4bit(False), quant.linear_codebook_4bit_no_zero())):
         f = tmp_path / f"code4_{i}.bin"
         f.write_bytes(code.numpy().tobytes())
         files.append(str(f))

@@ -11,7 +11,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pagedopt import _ops
-from pagedopt.quant import (dequantize_4bit_reference, dynamic_codebook, dynamic_codebook_4bit,
+from pagedopt.quant import (dequantize_4bit_reference, dynamic_codebook, dynamic_codebook_4bit, normal_codebook_4bit,
                             linear_codebook_4bit_no_zero, pack_4bit, quantize_4bit_reference, unpack_4bit)
 
 from reference_four_bit import (ALGORITHMS, BLOCK4, adam4bit_step_reference, blocks4, codebooks, packed,
@@ -43,6 +43,24 @@ def test_codebooks():
     v = linear_codebook_4bit_no_zero()
     assert torch.equal(v, torch.tensor([(i + 1) / 16 for i in range(16)]))
     assert not (v == 0).any()
+
+
+def test_the_first_moments_map_is_normal_quantiles():
+    """normal_codebook_4bit: 0, 8 positive and 7 negative codes, each side's codes the standard
+    normal's quantiles at probabilities evenly spaced from 0.5 to 1 - (1/32 + 1/30) / 2 (8 and 7
+    steps), divided by that side's largest: so Phi(code * q_max) steps evenly. Checked in float64
+    against the float32 codes (rounding 6e-8 relative, through Phi's slope: under 1e-6)."""
+    code = normal_codebook_4bit()
+    assert code.dtype == torch.float32 and code.numel() == 16 and (code[1:] > code[:-1]).all()
+    assert code[0] == -1.0 and code[-1] == 1.0 and (code == 0).sum() == 1
+    top = 1.0 - 0.5 * (1.0 / 32.0 + 1.0 / 30.0)
+    normal = torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0)
+    q_max = normal.icdf(torch.tensor(top, dtype=torch.float64))
+    pos, neg = code[code > 0].double(), -code[code < 0].double().flip(0)
+    for side, steps in ((pos, 8), (neg, 7)):
+        probs = normal.cdf(side * q_max)
+        expected = 0.5 + (top - 0.5) * torch.arange(1, steps + 1, dtype=torch.float64) / steps
+        torch.testing.assert_close(probs, expected, rtol=0, atol=1e-6)
 
 
 def test_pack_layout():

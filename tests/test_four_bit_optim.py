@@ -17,7 +17,7 @@ import torch
 
 import pagedopt
 from pagedopt.optim.state_format import CODES4
-from pagedopt.quant import dynamic_codebook_4bit, linear_codebook_4bit_no_zero
+from pagedopt.quant import linear_codebook_4bit_no_zero, normal_codebook_4bit
 
 pytestmark = pytest.mark.filterwarnings("ignore::pagedopt.paging.PagingFallbackWarning")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -99,7 +99,7 @@ def test_four_bit_state_layout(device):
     n = big.numel()
     assert st["state1"].dtype == torch.uint8 and tuple(st["state1"].shape) == (96, 257)  # rows of 514 halved
     assert tuple(st["absmax1"].shape) == (math.ceil(n / 128),)
-    assert torch.equal(st["qmap1"].cpu(), dynamic_codebook_4bit(True))
+    assert torch.equal(st["qmap1"].cpu(), normal_codebook_4bit())
     assert torch.equal(st["qmap2"].cpu(), linear_codebook_4bit_no_zero())
     assert tuple(opt.state[odd]["state2"].shape) == (10001,)  # ceil(20001 / 2), flat
     assert tuple(opt.state[params[2]]["state1"].shape) == (300, 20)

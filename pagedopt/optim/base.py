@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import _ops
-from ..quant import dynamic_codebook, dynamic_codebook_4bit, linear_codebook_4bit_no_zero, second_moment_codebook
+from ..quant import dynamic_codebook, linear_codebook_4bit_no_zero, normal_codebook_4bit, second_moment_codebook
 from . import capture, checkpoint, executor, sharding
 from .algorithms.spec import AlgorithmSpec
 from .byte_sizes import optimizer_state_bytes  # noqa: F401  (public here)
@@ -160,12 +160,12 @@ class QuantizedOptimizer(PagerControl, torch.optim.Optimizer):
     def codebooks_on(self, device: torch.device, fmt: StateFormat = CODES8) -> tuple[torch.Tensor, torch.Tensor]:
         """The (signed, unsigned) codebooks of quantized format ``fmt`` on ``device``, shared by
         every parameter there: the signed dynamic map and the unsigned one without its zero code
-        (8-bit: quant.second_moment_codebook), the signed 4-bit dynamic map and the linear map
+        (8-bit: quant.second_moment_codebook), the 4-bit normal-quantile map and the linear map
         without zero (4-bit)."""
         key = (device, fmt.bits)
         if key not in self._codebooks:
             self._codebooks[key] = ((dynamic_codebook(True, device), second_moment_codebook(device)) if fmt.bits == 8
-                                    else (dynamic_codebook_4bit(True, device), linear_codebook_4bit_no_zero(device)))
+                                    else (normal_codebook_4bit(device), linear_codebook_4bit_no_zero(device)))
         return self._codebooks[key]
 
     def default_qmap(self, qmap_key: str, device: torch.device, fmt: StateFormat = CODES8) -> torch.Tensor:
