@@ -14,6 +14,12 @@ each state against fp32, per layer type, median and 90th percentile over steps.
     python bench/quality.py --out /tmp/q                       # every row (CUDA), ~8 min on an H100
     python bench/quality.py --rows fp32,pagedopt_8bit --seeds 4 --steps 200 --width 64 --layers 2 --device cpu
     python bench/quality.py --smoke --out /tmp/q               # tiny, CPU, seconds (CI)
+    python bench/quality.py --report /tmp/q                    # the report again from the row_*.json there
+
+Rows of one width drift from fp32 alike, seed by seed, so they are also ranked against each other
+(pagedopt's row of each width minus every other row, paired over the seeds): that interval is
+narrower than either row's against fp32 (bench/RESULTS.md, fifteenth session: +-0.009% against
++-0.16% for the 8-bit rows).
 
 Each row runs in a process of its own (a library's state cannot touch another's figures); a row whose
 package or class is missing is skipped with the reason. Writes quality.json, row_<name>.json,
