@@ -36,7 +36,7 @@ sys.path.append(os.path.dirname(HERE))
 import torch  # noqa: E402
 
 from pagedopt.quant import (dequantize_blockwise_reference, dynamic_codebook_4bit,  # noqa: E402
-                            linear_codebook_4bit_no_zero, quantize_blockwise_reference)
+                            linear_codebook_4bit_no_zero, normal_codebook_4bit, quantize_blockwise_reference)
 
 BETA1, BETA2, EPS = 0.9, 0.999, 1e-8
 BLOCKS = (64, 128, 256)
@@ -50,11 +50,7 @@ def signed_maps() -> dict[str, torch.Tensor]:
     for r in (0.6, 0.7):  # geometric maps between pow2 (r = 1/2) and linear: magnitudes r^k
         mags = [r**k for k in range(8)]
         maps[f"geo{r}"] = torch.tensor(sorted([0.0] + mags + [-x for x in mags[:7]]))
-    # normal quantiles (the shape of NF4; computed here): 8 positive, 7 negative, and 0
-    tail = 0.5 * (1 / 32 + 1 / 30)
-    q_pos = torch.special.ndtri(torch.linspace(0.5, 1 - tail, 9, dtype=torch.float64)[1:])
-    q_neg = torch.special.ndtri(torch.linspace(0.5, 1 - tail, 8, dtype=torch.float64)[1:])
-    maps["normal"] = torch.tensor(sorted([0.0] + (q_pos / q_pos.max()).tolist() + (-q_neg / q_neg.max()).tolist()))
+    maps["normal"] = normal_codebook_4bit()  # normal quantiles (NF4's shape): 8 positive, 7 negative, and 0
     maps["linear"] = torch.tensor(sorted([k / 7 for k in range(-7, 8)] + [1 / 14]))
     for name, code in maps.items():
         code = code.float()
@@ -106,7 +102,9 @@ def walk_moments(rows, cols, steps):
     return m, v
 
 
-def mlp_moments(steps, seed=0):
+def mlp_training(steps, seed=0):
+    """A small MLP (64 -> 256 -> 256 -> 10) fitted to a random teacher with torch.optim.Adam: yields
+    (model, opt) after each backward, before its step."""
     torch.manual_seed(seed)
     teacher = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 10))
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
@@ -117,10 +115,23 @@ def mlp_moments(steps, seed=0):
         loss = torch.nn.functional.mse_loss(model(x), teacher(x).detach())
         opt.zero_grad()
         loss.backward()
+        yield model, opt
         opt.step()
+
+
+def mlp_moments(steps, seed=0):
+    """The exp_avg / exp_avg_sq of every weight of mlp_training's MLP after ``steps`` steps."""
+    for model, opt in mlp_training(steps, seed):  # (exhausted: the last step taken too)
+        pass
     ms = [opt.state[p]["exp_avg"].reshape(-1) for p in model.parameters() if p.dim() == 2]
     vs = [opt.state[p]["exp_avg_sq"].reshape(-1) for p in model.parameters() if p.dim() == 2]
     return torch.cat(ms), torch.cat(vs)
+
+
+def mlp_gradients(steps, seed=0):
+    """The gradients of mlp_training's middle weight (256 x 256), one flat tensor a step."""
+    for model, _ in mlp_training(steps, seed):
+        yield model[2].weight.grad.reshape(-1).clone()
 
 
 # ------------------------------------------------------------------------------ measurements
@@ -152,23 +163,6 @@ def trajectory(rows_, cols, steps, code_m, code_v, block):
         m4 = roundtrip(m4, code_m, block)
         v4 = roundtrip(v4, code_v, block) if code_v is not None else v4
     return sum(errs) / len(errs)
-
-
-def mlp_gradients(steps, seed=0):
-    """The gradients of the MLP's middle weight (256 x 256) while torch.optim.Adam fits it (mlp_moments'
-    model and teacher), one flat tensor a step."""
-    torch.manual_seed(seed)
-    teacher = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 10))
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
-                                torch.nn.ReLU(), torch.nn.Linear(256, 10))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(BETA1, BETA2), eps=EPS)
-    for _ in range(steps):
-        x = torch.randn(128, 64)
-        loss = torch.nn.functional.mse_loss(model(x), teacher(x).detach())
-        opt.zero_grad()
-        loss.backward()
-        yield model[2].weight.grad.reshape(-1).clone()
-        opt.step()
 
 
 def stored_trajectory(grads, store: str, code_m, code_v, block: int, skip: int = 10) -> float:

@@ -97,26 +97,13 @@ def read_torchao(opt, p) -> States:
 
 
 # --------------------------------------------------------------------------- candidate formats
-def _adamw4bit_v_floor():
-    """pagedopt's AdamW4bit with a candidate map of v: the unsigned dynamic 4-bit map with its zero
-    code replaced by half its smallest positive one (bench_maps4's "de0_floor"), the 8-bit map of v
-    made the same way. Through ``codebooks_on``, the public choice of a format's maps."""
-    import pagedopt
+def _v_floor_map() -> list:
+    """A candidate map of v: the unsigned dynamic 4-bit map with its zero code replaced by half its
+    smallest positive one (bench_maps4's "de0_floor"), the 8-bit map of v made the same way."""
     from pagedopt import quant
-
-    class AdamW4bitVFloor(pagedopt.AdamW4bit):
-        def codebooks_on(self, device, fmt=None):
-            signed, unsigned = super().codebooks_on(device, fmt) if fmt is not None else super().codebooks_on(device)
-            if unsigned.numel() != 16:
-                return signed, unsigned
-            floors = self.__dict__.setdefault("_v_floor", {})
-            if device not in floors:
-                code = quant.dynamic_codebook_4bit(False, device)
-                code[0] = code[1] / 2
-                floors[device] = (signed, code)
-            return floors[device]
-
-    return AdamW4bitVFloor
+    code = quant.dynamic_codebook_4bit(False)
+    code[0] = code[1] / 2
+    return code.tolist()
 
 
 def _signed_map(kind: str) -> list:
@@ -130,11 +117,8 @@ def _signed_map(kind: str) -> list:
     smallest = min(c for c in code if c > 0)
     if kind == "de":  # the dynamic map, 4-bit states' first map before 2026-12-07
         return sorted(code)
-    if kind == "normal":  # bench_maps4's "normal": 0, 8 positive and 7 negative quantiles of N(0, 1)
-        tail = 0.5 * (1 / 32 + 1 / 30)
-        q_pos = torch.special.ndtri(torch.linspace(0.5, 1 - tail, 9, dtype=torch.float64)[1:])
-        q_neg = torch.special.ndtri(torch.linspace(0.5, 1 - tail, 8, dtype=torch.float64)[1:])
-        return sorted([0.0] + (q_pos / q_pos.max()).tolist() + (-q_neg / q_neg.max()).tolist())
+    if kind == "normal":  # the default since (quant.normal_codebook_4bit)
+        return quant.normal_codebook_4bit().tolist()
     if kind == "sym":
         code = [c for c in code if c != -1.0] + [-smallest]
     elif kind == "symnz":
@@ -142,22 +126,24 @@ def _signed_map(kind: str) -> list:
     return sorted(code)
 
 
-def _adamw4bit_m_map(kind: str):
-    """pagedopt's AdamW4bit with a candidate map of m (``_signed_map``), through ``codebooks_on``."""
+def _adamw4bit_with_maps(name: str, m_map=None, v_map=None):
+    """pagedopt's AdamW4bit with candidate 4-bit maps (functions giving 16 sorted codes; None: the
+    default's), through ``codebooks_on``, the public choice of a format's maps."""
     import pagedopt
 
-    class AdamW4bitMMap(pagedopt.AdamW4bit):
+    class AdamW4bitMaps(pagedopt.AdamW4bit):
         def codebooks_on(self, device, fmt=None):
             signed, unsigned = super().codebooks_on(device, fmt) if fmt is not None else super().codebooks_on(device)
             if signed.numel() != 16:
                 return signed, unsigned
-            maps = self.__dict__.setdefault("_m_map", {})
+            maps = self.__dict__.setdefault("_candidate_maps", {})
             if device not in maps:
-                maps[device] = (torch.tensor(_signed_map(kind), dtype=signed.dtype, device=signed.device), unsigned)
+                maps[device] = tuple(code if make is None else torch.tensor(make(), dtype=code.dtype, device=code.device)
+                                     for code, make in ((signed, m_map), (unsigned, v_map)))
             return maps[device]
 
-    AdamW4bitMMap.__name__ = f"AdamW4bitM{kind.capitalize()}"
-    return AdamW4bitMMap
+    AdamW4bitMaps.__name__ = name
+    return AdamW4bitMaps
 
 
 class Emulated4bitAdamW(torch.optim.Optimizer):
@@ -232,13 +218,10 @@ def __getattr__(name: str):  # the candidate classes, made when a row looks them
         _, store, m_map = name.split("_")
         return _emulated(store, m_map)
     if name == "AdamW4bitVFloor":
-        return _adamw4bit_v_floor()
-    if name == "AdamW4bitMSym":
-        return _adamw4bit_m_map("sym")
-    if name == "AdamW4bitMSymnz":
-        return _adamw4bit_m_map("symnz")
-    if name == "AdamW4bitMDe":
-        return _adamw4bit_m_map("de")
+        return _adamw4bit_with_maps(name, v_map=_v_floor_map)
+    for kind in ("sym", "symnz", "de"):
+        if name == f"AdamW4bitM{kind.capitalize()}":
+            return _adamw4bit_with_maps(name, m_map=lambda kind=kind: _signed_map(kind))
     raise AttributeError(name)
 
 

@@ -221,6 +221,14 @@ def test_the_candidate_v_map_row_differs_from_the_default_only_in_qmap2():
     # the first update is computed from the new fp32 moments before they are stored: the same
     assert torch.equal(pa1, pb1)
     assert not torch.equal(pa, pb)
+    # the m-map rows change qmap1 alone: the old default's (dynamic) map, torchao's
+    for name, code in (("pagedopt_4bit_mde", quant.dynamic_codebook_4bit(True)),
+                       ("pagedopt_4bit_msym", torch.tensor(R._signed_map("sym")))):
+        p = torch.nn.Parameter(torch.ones(64, 96))
+        opt = R.ROWS[name].make([p])
+        p.grad = g.clone()
+        opt.step()
+        assert torch.equal(opt.state[p]["qmap1"], code) and torch.equal(opt.state[p]["qmap2"], a["qmap2"]), name
 
 
 def test_blockwise_reader_reads_one_step_of_adamw8bit():

@@ -8,14 +8,9 @@ either sign, +-inf, inv = 0, subnormals, values beyond the codebook), for the th
 optimizers use (which must fit the table) and for random sorted codebooks (those that fit must be
 exact; some must fit, some must not). A codebook with two thresholds in one bucket, an unsorted one
 and one with a non-finite entry must never be taken for the table search."""
-import os
-import shutil
-import subprocess
-from pathlib import Path
-
-import pytest
-
 from pagedopt import quant
+
+from host_check import run_host_check
 
 _HOST_CHECK = r"""
 #include "code_table4.cuh"
@@ -174,23 +169,8 @@ int main(int argc, char** argv) {
 
 
 def test_host_build_of_the_four_bit_search_table(tmp_path):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler")
-    root = Path(__file__).resolve().parents[1]
-    src = tmp_path / "host_check4.cpp"
-    src.write_text(_HOST_CHECK)
-    exe = tmp_path / "host_check4"
-    # -ffp-contract=off: s * inv rounded once, as the kernel's multiply
-    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", f"-I{root / 'csrc' / 'include'}",
-                    f"-I{root / 'csrc' / 'cuda'}", str(src), "-o", str(exe)], check=True)
-    files = []
-    for i, code in enumerate((quant.normal_codebook_4bit(), quant.dynamic_codebook_4bit(True),
-                              quant.dynamic_codebook_4bit(False), quant.linear_codebook_4bit_no_zero())):
-        f = tmp_path / f"code4_{i}.bin"
-        f.write_bytes(code.numpy().tobytes())
-        files.append(str(f))
-    step = "1" if os.environ.get("PAGEDOPT_BIG_TESTS") == "1" else "4099"
-    out = subprocess.run([str(exe), step, *files], capture_output=True, text=True, timeout=1800)
+    out = run_host_check(tmp_path, "host_check4", _HOST_CHECK,
+                         (quant.normal_codebook_4bit(), quant.dynamic_codebook_4bit(True),
+                          quant.dynamic_codebook_4bit(False), quant.linear_codebook_4bit_no_zero()))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "random_unfit=0 " not in out.stdout, "every random codebook fit the table: the fallback check saw none"

@@ -1,10 +1,8 @@
 """The host/device-portable half of csrc/cuda/code_table.cuh, compiled with the host compiler:
 no GPU needed, so this runs in CI too."""
-import os
-
-import pytest
-
 from pagedopt import quant
+
+from host_check import run_host_check
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,26 +172,8 @@ int main(int argc, char** argv) {
 
 
 def test_host_build_of_search_tables_and_pow_step(tmp_path):
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler")
-    root = Path(__file__).resolve().parents[1]
-    src = tmp_path / "host_check.cpp"
-    src.write_text(_HOST_CHECK)
-    exe = tmp_path / "host_check"
-    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", f"-I{root / 'csrc' / 'include'}",
-                    f"-I{root / 'csrc' / 'cuda'}", str(src), "-o", str(exe)], check=True)
-    files = []  # the two dynamic maps (bitsandbytes' checkpoints keep them) and the map of v
-    for i, code in enumerate((quant.dynamic_codebook(True), quant.dynamic_codebook(False),
-                              quant.second_moment_codebook())):
-        f = tmp_path / f"code_{i}.bin"
-        f.write_bytes(code.numpy().tobytes())
-        files.append(str(f))
-    step = "1" if os.environ.get("PAGEDOPT_BIG_TESTS") == "1" else "4099"
-    out = subprocess.run([str(exe), step, *files], capture_output=True, text=True, timeout=1800)
+    # the two dynamic maps (bitsandbytes' checkpoints keep them) and the map of v
+    out = run_host_check(tmp_path, "host_check", _HOST_CHECK,
+                         (quant.dynamic_codebook(True), quant.dynamic_codebook(False), quant.second_moment_codebook()))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "random_fit=0 " not in out.stdout, "no random codebook fit the table: the exactness check saw none"

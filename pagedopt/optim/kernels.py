@@ -55,6 +55,7 @@ FP32_COPY_ALIGN = 1024
 # tensors, one transposed): 66560 bytes beyond the contiguous copies.
 CODE_TABLE_BYTES = 8192 * 4
 CODE_TABLE4_BYTES = 8196 * 4
+TABLE_BYTES_BY_FORMAT = {CODES8: CODE_TABLE_BYTES, CODES4: CODE_TABLE4_BYTES}
 ENGINE_BYTES_PER_TENSOR = 256
 ENGINE_FIXED_BYTES = 3 * 8 + 2 * 512
 
@@ -92,7 +93,7 @@ def engine_bytes(spec: AlgorithmSpec, bucket: Bucket, n_tensors: int) -> int:
     whose metadata stays while the update's launch runs; an 8-bit or 4-bit update carries a search
     table per state key (counted for every launch of those formats: an upper bound)."""
     launches = 2 if spec.norm_scaled else 1
-    tables = len(spec.states) * {CODES8: CODE_TABLE_BYTES, CODES4: CODE_TABLE4_BYTES}.get(bucket.fmt, 0)
+    tables = len(spec.states) * TABLE_BYTES_BY_FORMAT.get(bucket.fmt, 0)
     return launches * (ENGINE_BYTES_PER_TENSOR * n_tensors + ENGINE_FIXED_BYTES) + tables
 
 
