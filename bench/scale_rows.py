@@ -74,6 +74,7 @@ def _torchao_offload(params, device, settings):
 
 
 P8 = "paged_adamw_8bit"
+P4 = "paged_adamw_4bit"
 ROWS = [
     Row("torch_adamw_fused", _torch_fused, ("adamw_torch_fused", "resident"), note="32-bit AdamW, fused kernel"),
     Row("bnb_adamw8bit", _bnb("AdamW8bit"), ("adamw_8bit", "resident"), package="bitsandbytes", cuda_only=True,
@@ -103,6 +104,12 @@ ROWS = [
         pinned="states", link="pager", note="residency='auto': what fits stays, the rest streamed"),
     Row("pagedopt_paged_adamw8bit_auto_bwd", _pagedopt("PagedAdamW8bit", residency="auto", update_in_backward=True),
         (P8, "auto_released"), pinned="states", link="pager", note="residency='auto', update_in_backward=True"),
+    Row("pagedopt_adamw4bit", _pagedopt("AdamW4bit"), ("adamw_4bit", "resident"), note="4-bit states, resident"),
+    Row("pagedopt_paged_adamw4bit_host", _pagedopt("PagedAdamW4bit", residency="host"), (P4, "host"),
+        pinned="states", link="pager", note="4-bit states, residency='host'"),
+    Row("pagedopt_paged_adamw4bit_host_bwd", _pagedopt("PagedAdamW4bit", residency="host", update_in_backward=True),
+        (P4, "host_released"), pinned="states", link="pager",
+        note="4-bit states, residency='host', update_in_backward=True (gradients released)"),
     Row("pagedopt_paged_adamw8bit_managed_budget", _pagedopt("PagedAdamW8bit", managed_budget=True),
         (P8, "managed_budget"), managed=True, pinned="managed_beyond_budget", link="pager",
         note="PageManager(budget_bytes=--budget): managed memory, paged in and out around each step"),
