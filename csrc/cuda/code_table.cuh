@@ -276,17 +276,29 @@ __device__ __forceinline__ SmemCode smem_code_view(const unsigned char* smem) {
 constexpr int kTableThreads = 256;
 constexpr int kTableBlocks = static_cast<int>((kBucketEntries + kTableThreads - 1) / kTableThreads);
 
+// Block `block` of the build of a search table of entries `entries` for the kCodes-entry codebook
+// `code`: entry e of `out` is entry(code, e), or kBadEntry everywhere when entry_ok(code, i) fails for
+// any i (the codebook does not fit the table). Serves the 8-bit table (build_code_table_block) and
+// the 4-bit one (code_table4.cuh's build_code_table4_block).
+template <int kCodes, uint32_t kEntries, typename EntryOk, typename Entry>
+__device__ __forceinline__ void build_table_block(const float* __restrict__ code, uint32_t* __restrict__ out,
+                                                  int block, EntryOk entry_ok, Entry entry) {
+  __shared__ float s_code[kCodes];
+  for (int i = threadIdx.x; i < kCodes; i += blockDim.x) s_code[i] = code[i];
+  __syncthreads();
+  bool ok = true;
+  for (int i = threadIdx.x; i < kCodes; i += blockDim.x) ok = ok && entry_ok(s_code, i);
+  ok = __syncthreads_and(ok) != 0;
+  const uint32_t e = static_cast<uint32_t>(block * kTableThreads + threadIdx.x);
+  if (e < kEntries) out[e] = ok ? entry(s_code, e) : kBadEntry;
+}
+
 // Block `block` (0 <= block < kTableBlocks) of the table build for `code`.
 __device__ __forceinline__ void build_code_table_block(const float* __restrict__ code, CodeTable* __restrict__ out,
                                                        int block) {
-  __shared__ float s_code[kCodebookSize];
-  for (int i = threadIdx.x; i < kCodebookSize; i += blockDim.x) s_code[i] = code[i];
-  __syncthreads();
-  bool ok = true;
-  for (int i = threadIdx.x; i < kCodebookSize; i += blockDim.x) ok = ok && codebook_entry_ok(s_code, i);
-  ok = __syncthreads_and(ok) != 0;
-  const uint32_t e = static_cast<uint32_t>(block * kTableThreads + threadIdx.x);
-  if (e < kBucketEntries) out->entry[e] = ok ? bucket_entry(s_code, e) : kBadEntry;
+  build_table_block<kCodebookSize, kBucketEntries>(
+      code, out->entry, block, [](const float* c, int i) { return codebook_entry_ok(c, i); },
+      [](const float* c, uint32_t e) { return bucket_entry(c, e); });
 }
 
 }  // namespace cuda_detail

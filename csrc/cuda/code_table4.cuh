@@ -175,14 +175,9 @@ constexpr int kTable4Blocks = static_cast<int>((kBucketEntries4 + kTableThreads 
 
 __device__ __forceinline__ void build_code_table4_block(const float* __restrict__ code, CodeTable4* __restrict__ out,
                                                         int block) {
-  __shared__ float s_code[kCodebookSize4];
-  for (int i = threadIdx.x; i < kCodebookSize4; i += blockDim.x) s_code[i] = code[i];
-  __syncthreads();
-  bool ok = true;
-  for (int i = threadIdx.x; i < kCodebookSize4; i += blockDim.x) ok = ok && codebook4_entry_ok(s_code, i);
-  ok = __syncthreads_and(ok) != 0;
-  const uint32_t e = static_cast<uint32_t>(block * kTableThreads + threadIdx.x);
-  if (e < kBucketEntries4) out->entry[e] = ok ? bucket4_entry(s_code, e) : kBadEntry;
+  build_table_block<kCodebookSize4, kBucketEntries4>(
+      code, out->entry, block, [](const float* c, int i) { return codebook4_entry_ok(c, i); },
+      [](const float* c, uint32_t e) { return bucket4_entry(c, e); });
 }
 
 }  // namespace cuda_detail
