@@ -17,6 +17,7 @@
 #   SCALE_DTYPES   bf16,fp32 (for shapes given without a dtype)
 #   SCALE_STEPS    training steps per configuration (default 5; the first one timed apart)
 #   SCALE_ARGS     more bench/scale.py arguments (e.g. "--budget 4GiB --no-stop")
+#   SCALE_PASSES   "ROWS@SHAPES;ROWS@SHAPES": one bench run per pass (see below)
 #   SCALE_S        the bench's time cap in seconds (default 600 - the build - 20 s); no configuration
 #                  starts in its last 60 s (--time-budget), so the tables are always written
 #   SCALE_CHILD_S  one configuration's cap in seconds (default 180)
@@ -49,11 +50,23 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site && log "wheels installed: $(ls .whl | tr '\n' ' ')"
 fi
-LEFT=$(( ${SCALE_S:-$(( 600 - (SECONDS - T0) - 20 ))} ))
-if [ "$LEFT" -lt 90 ]; then log "only ${LEFT} s left after the build: not running the grid"; exit 1; fi
-log "scale: ${LEFT} s"
-timeout "$LEFT" python3 bench/scale.py --out "$OUT" --time-budget $(( LEFT - 60 )) --timeout "${SCALE_CHILD_S:-180}" \
-  --rows "${SCALE_ROWS:-pagedopt_adamw8bit,pagedopt_paged_adamw8bit_host,pagedopt_paged_adamw8bit_host_bwd,pagedopt_paged_adamw8bit_auto_bwd,torch_adamw_fused}" \
-  --shapes "${SCALE_SHAPES:-7b:fp32,13b:bf16}" --dtypes "${SCALE_DTYPES:-bf16,fp32}" --steps "${SCALE_STEPS:-5}" \
-  ${SCALE_ARGS:-} 2>&1 | tee "$OUT/scale.log" | grep -v -e "Warning" -e "warnings.warn"
-log "scale rc=${PIPESTATUS[0]}"
+END=$(( T0 + ${SCALE_S:-$(( 600 - (SECONDS - T0) - 20 ))} + (SECONDS - T0) ))
+# SCALE_PASSES: "ROWS@SHAPES;ROWS@SHAPES;..." runs bench/scale.py once per pass (each row's shapes
+# its own), one after the other in the time left, each into $OUT/scale_N (tarred into scale.tgz).
+# Without it: one pass of SCALE_ROWS over SCALE_SHAPES into $OUT.
+DEFAULT_ROWS=pagedopt_adamw8bit,pagedopt_paged_adamw8bit_host,pagedopt_paged_adamw8bit_host_bwd,pagedopt_paged_adamw8bit_auto_bwd,torch_adamw_fused
+IFS=';' read -r -a PASSES <<< "${SCALE_PASSES:-${SCALE_ROWS:-$DEFAULT_ROWS}@${SCALE_SHAPES:-7b:fp32,13b:bf16}}"
+n=0
+for pass in "${PASSES[@]}"; do
+  n=$((n + 1))
+  LEFT=$(( END - SECONDS ))
+  if [ "$LEFT" -lt 90 ]; then log "only ${LEFT} s left: pass $n ($pass) not run"; continue; fi
+  dir="$OUT"; [[ -n "${SCALE_PASSES:-}" ]] && dir="$OUT/scale_$n"
+  mkdir -p "$dir"
+  log "scale pass $n (${pass}): ${LEFT} s"
+  timeout "$LEFT" python3 bench/scale.py --out "$dir" --time-budget $(( LEFT - 60 )) --timeout "${SCALE_CHILD_S:-180}" \
+    --rows "${pass%%@*}" --shapes "${pass#*@}" --dtypes "${SCALE_DTYPES:-bf16,fp32}" --steps "${SCALE_STEPS:-5}" \
+    ${SCALE_ARGS:-} 2>&1 | tee "$dir/scale.log" | grep -v -e "Warning" -e "warnings.warn"
+  log "scale pass $n rc=${PIPESTATUS[0]}"
+done
+if [[ -n "${SCALE_PASSES:-}" ]]; then (cd "$OUT" && tar czf scale.tgz scale_* && rm -rf scale_*); fi
