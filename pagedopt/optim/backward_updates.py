@@ -4,7 +4,9 @@ resident, paged under a device budget, or host-resident).
 Once a parameter's update has run, its gradient is released (``p.grad = None``; the memory goes
 back once the update stream has read it), so that gradients take about one chunk of device memory
 instead of the whole model's; ``set_pager(..., keep_grads=True)`` keeps them for code that reads them
-after backward.
+after backward. Where the updates are slower than backward (states streamed over the host link), a
+hook waits once ``backlog_chunks`` chunk updates are queued and not done (update_backlog.py), so
+that backward cannot run ahead holding every gradient.
 
 Host-resident states cross the link twice per step (in, then back). After backward the whole
 crossing waits for the update; during backward the link is idle. Here each parameter's update
@@ -62,6 +64,7 @@ from .backward_hooks import GradHooks
 from .backward_schedule import Run, cut_into_chunks, update_part
 from .grad_checks import locate, raise_bad_grad
 from . import residency
+from .update_backlog import UpdateBacklog
 from .update_worker import UpdateWorker
 
 
@@ -81,6 +84,10 @@ class BackwardUpdates:
     # whether the chunks' updates run on a worker thread (update_worker.py) instead of in the hooks,
     # on the autograd engine's thread; off until measured on a GPU (bench_train's @w variant)
     update_thread = False
+    # how many chunk updates may be queued and not yet done before a hook waits for the oldest
+    # (update_backlog.py): the gradients held are about that many chunks'; twice the chunks of the
+    # device buffer, so that the update stream always has chunks before it whose copies in are done
+    backlog_chunks = 8
 
     def __init__(self, opt):
         self._opt = weakref.ref(opt)
@@ -104,6 +111,7 @@ class BackwardUpdates:
         self._streams: dict = {}
         self._worker: Optional[UpdateWorker] = None
         self._first: Optional[FirstStep] = None  # a step without a schedule: its progress (backward_first_step.py)
+        self._backlog = UpdateBacklog(self.backlog_chunks)  # the chunk updates queued on the GPU, not yet done
         self._failed = False                  # step() raised: the next backward starts the step afresh
         self._pass_plans: Optional[dict] = None  # device -> the pager's PassPlan of the schedule's chunks
         self.trace: Optional[list] = None     # a list: per chunk update, (chunk, gradients ready, update
@@ -167,6 +175,8 @@ class BackwardUpdates:
         if chunk is None:
             return
         stream = self._stream(p.device)
+        if stream is not None:
+            self._backlog.admit()
         try:
             done = update_chunk(opt, chunk, self._first.overrides, stream, begin=not self._began)
         except ValueError as exc:  # a bad gradient
@@ -182,6 +192,7 @@ class BackwardUpdates:
                 if stream is not None:
                     g.record_stream(stream)
                 q.grad = None
+        self._backlog_queued(stream)
 
     # ------------------------------------------------------------------ the schedule
     def _current(self, opt) -> bool:
@@ -259,8 +270,12 @@ class BackwardUpdates:
         its gradients here, mark them ready on the current stream and queue the rest for the worker."""
         k = run.queued
         run.queued += 1
-        if not self.update_thread:
+        if not self.update_thread:  # (the worker's chunks are not held back: it is off by default)
+            stream = self._stream(device)
+            if stream is not None:
+                self._backlog.admit()
             self._update_chunk(opt, device, run, k, self._plan)
+            self._backlog_queued(stream)
             return
         try:
             verdicts = self._check_chunk(opt, run, k)
@@ -273,6 +288,13 @@ class BackwardUpdates:
         if self._worker is None:
             self._worker = UpdateWorker()
         self._worker.submit(self._update_chunk, opt, device, run, k, self._plan, ready, verdicts)
+
+    def _backlog_queued(self, stream) -> None:
+        """A chunk's update was queued on ``stream`` (None: on the CPU, done already)."""
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._backlog.queued(event)
 
     def _check_chunk(self, opt, run: Run, k: int) -> list:
         """The gradients of chunk k's parts checked (a ValueError names a bad one); their verdicts."""
@@ -464,3 +486,4 @@ class BackwardUpdates:
         self._runs = None
         self._first = None
         self._failed = False
+        self._backlog = UpdateBacklog(self.backlog_chunks)
