@@ -62,6 +62,55 @@ def test_clear_forgets_everything():
     assert log == [] and len(backlog) == 0
 
 
+@pytest.mark.parametrize("ahead", [0, 1, 3])
+def test_chunks_ahead_count_towards_the_limit(ahead):
+    """Chunks handed to the worker thread, whose events are yet to come, take room in the backlog."""
+    clock, log = [0], []
+    backlog = UpdateBacklog(4)
+    for k in range(1, 5):
+        backlog.queued(FakeEvent(clock, k, log))
+    backlog.admit(ahead)
+    assert len(backlog) + ahead < 4
+    assert log == list(range(1, 2 + ahead))  # the oldest first, as many as the room needs
+
+
+@pytest.mark.parametrize("ahead", [-1, 4, 5])
+def test_ahead_out_of_range_is_refused_and_nothing_waits(ahead):
+    clock, log = [0], []
+    backlog = UpdateBacklog(4)
+    backlog.queued(FakeEvent(clock, 1, log))
+    with pytest.raises(ValueError, match="ahead"):
+        backlog.admit(ahead)
+    assert log == [] and len(backlog) == 1
+
+
+def test_worker_wait_below_returns_once_enough_calls_finished():
+    """Three calls, each held by a gate of its own; the first two let go: wait_below(2) returns
+    once fewer than 2 have yet to finish, the third still held."""
+    import threading
+
+    from pagedopt.optim.update_worker import UpdateWorker
+
+    gates = [threading.Event() for _ in range(3)]
+    ran = []
+    worker = UpdateWorker()
+    try:
+        for i in range(3):
+            worker.submit(lambda i=i: (gates[i].wait(5), ran.append(i)))
+        assert worker.wait_below(4) == 3  # already below: no wait
+        timers = [threading.Timer(0.05 * (i + 1), gates[i].set) for i in range(2)]
+        for t in timers:
+            t.start()
+        assert worker.wait_below(2) == 1
+        assert ran == [0, 1]
+        gates[2].set()
+        assert worker.wait_below(1) == 0 and ran == [0, 1, 2]
+    finally:
+        for g in gates:
+            g.set()
+        worker.close()
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, None])
 def test_a_bad_limit_is_refused(bad):
     with pytest.raises(ValueError, match="limit"):
@@ -69,7 +118,8 @@ def test_a_bad_limit_is_refused(bad):
 
 
 @pytest.mark.cuda
-def test_slow_updates_do_not_pile_up_gradients(monkeypatch):
+@pytest.mark.parametrize("update_thread", [False, True], ids=["in_hooks", "update_thread"])
+def test_slow_updates_do_not_pile_up_gradients(monkeypatch, update_thread):
     """Updates slowed on the GPU (a 2 ms sleep queued before each chunk's update, as the host link
     slows streamed states) against a fast backward. Unbounded, backward runs ahead and nearly every
     gradient waits for its update; with a backlog of 2 chunks the peak is lower by at least half
@@ -89,6 +139,7 @@ def test_slow_updates_do_not_pile_up_gradients(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(backward_updates, "update_part", slow_update_part)
+    monkeypatch.setattr(backward_updates.BackwardUpdates, "update_thread", update_thread)
     peaks, params = {}, {}
     for limit in (2, 1 << 20):
         monkeypatch.setattr(backward_updates.BackwardUpdates, "backlog_chunks", limit)

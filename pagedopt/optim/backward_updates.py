@@ -270,8 +270,8 @@ class BackwardUpdates:
         its gradients here, mark them ready on the current stream and queue the rest for the worker."""
         k = run.queued
         run.queued += 1
-        if not self.update_thread:  # (the worker's chunks are not held back: it is off by default)
-            stream = self._stream(device)
+        stream = self._stream(device)
+        if not self.update_thread:
             if stream is not None:
                 self._backlog.admit()
             self._update_chunk(opt, device, run, k, self._plan)
@@ -287,7 +287,15 @@ class BackwardUpdates:
             ready.record(torch.cuda.current_stream(device))
         if self._worker is None:
             self._worker = UpdateWorker()
-        self._worker.submit(self._update_chunk, opt, device, run, k, self._plan, ready, verdicts)
+        if stream is not None:  # the chunks handed to the worker count towards the backlog, their
+            # gradients held until it runs them: at most backlog_chunks - 1 of them, then the events
+            self._backlog.admit(self._worker.wait_below(self._backlog.limit))
+        self._worker.submit(self._update_and_count, opt, device, run, k, self._plan, ready, verdicts, stream)
+
+    def _update_and_count(self, opt, device, run: Run, k: int, plan, ready, verdicts, stream) -> None:
+        """The worker's call: chunk k's update, then its event in the backlog."""
+        self._update_chunk(opt, device, run, k, plan, ready, verdicts)
+        self._backlog_queued(stream)
 
     def _backlog_queued(self, stream) -> None:
         """A chunk's update was queued on ``stream`` (None: on the CPU, done already)."""

@@ -11,7 +11,9 @@ only bound was the depth of the GPU's launch queues.
 So before a chunk is queued the hook admits it: with ``limit`` chunks queued and not yet done on
 the GPU, the host waits for the oldest. Backward's kernels already queued go on meanwhile, and the
 update stream still has ``limit - 1`` chunks before it, so neither the link nor the GPU runs dry;
-the gradients held are at most about ``limit`` chunks' worth.
+the gradients held are at most about ``limit`` chunks' worth. With the updates on a worker thread
+(``BackwardUpdates.update_thread``), the chunks handed to it and not yet run hold their gradients
+too: the hook first waits until fewer than ``limit`` are, and counts them (``admit(ahead)``).
 
 Knows nothing of optimizers: it holds the events recorded after each chunk's update.
 """
@@ -33,13 +35,16 @@ class UpdateBacklog:
     def __len__(self) -> int:
         return len(self._queued)
 
-    def admit(self) -> None:
-        """Before queuing a chunk: forget the chunks done; with ``limit`` still queued, wait for the
-        oldest."""
+    def admit(self, ahead: int = 0) -> None:
+        """Before queuing a chunk: forget the chunks done; with ``limit`` still queued (counting
+        ``ahead`` more whose events are yet to come: chunks handed to a worker thread, fewer than
+        ``limit``), wait for the oldest."""
+        if not 0 <= ahead < self.limit:
+            raise ValueError(f"UpdateBacklog.admit: ahead must be in [0, {self.limit}), got {ahead!r}")
         queued = self._queued
         while queued and queued[0].query():
             queued.popleft()
-        while len(queued) >= self.limit:
+        while len(queued) + ahead >= self.limit:
             self.waits += 1
             queued.popleft().synchronize()
 

@@ -68,6 +68,13 @@ class UpdateWorker:
         if error is not None:
             raise error
 
+    def wait_below(self, n: int) -> int:
+        """Wait until fewer than ``n`` submitted calls have yet to finish (run, or skipped after an
+        error); returns how many have yet to."""
+        with self._done:
+            self._done.wait_for(lambda: self._pending < n)
+            return self._pending
+
     @property
     def busy(self) -> bool:
         return self._pending > 0
