@@ -269,14 +269,15 @@ class BackwardUpdates:
         """Chunk ``run.queued`` has all its gradients: update it now, or (``update_thread``) check
         its gradients here, mark them ready on the current stream and queue the rest for the worker."""
         k = run.queued
-        run.queued += 1
         stream = self._stream(device)
         if not self.update_thread:
-            if stream is not None:
+            if stream is not None:  # before the chunk counts as queued: an error here leaves it to step()
                 self._backlog.admit()
+            run.queued += 1
             self._update_chunk(opt, device, run, k, self._plan)
             self._backlog_queued(stream)
             return
+        run.queued += 1
         try:
             verdicts = self._check_chunk(opt, run, k)
         except ValueError as exc:
