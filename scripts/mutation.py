@@ -10,7 +10,8 @@ plausible bug. The runner applies the mutants one at a time to a scratch copy of
 * timeout     the suite ran past --timeout (reported apart, not counted as killed)
 * error       pytest could not run (usage or internal error, e.g. a hint naming no test): fix it
 * stale       the snippet is not found exactly once in the file (the catalog needs updating)
-* build-error a C++ mutant that does not compile (an invalid mutant: fix the catalog)
+* build-error a C++ mutant that does not compile, or a Python one that does not parse (an
+              invalid mutant: fix the catalog)
 * skipped     a CUDA mutant on a run without --device (with --device, CPU mutants that are
               selected, by --kind cpu or --only, run too: with the CUDA build and -m cuda)
 
@@ -35,6 +36,7 @@ order of FILE_ORDER (fast, likely killers first). With --device: ``-m cuda`` ins
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import json
 import os
@@ -263,7 +265,13 @@ def run_mutant(m: Mutant, scratch: Scratch, device: bool, timeout: float, log, b
     if m.kind == "cuda" and not device:
         return Result(m, "skipped", detail="needs --device (a GPU)")
     start = time.monotonic()
-    target.write_text(original.replace(m.find, m.replace))
+    mutated = original.replace(m.find, m.replace)
+    if m.file.endswith(".py"):  # a mutant that does not parse fails every test by its import: invalid
+        try:
+            ast.parse(mutated, m.file)
+        except SyntaxError as exc:
+            return Result(m, "build-error", detail=f"the mutated file does not parse: {exc}")
+    target.write_text(mutated)
     try:
         if m.is_cpp:
             # --timeout bounds the tests; the build has its own bound (the first one in a fresh

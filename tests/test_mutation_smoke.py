@@ -68,3 +68,22 @@ def test_every_catalog_snippet_is_found_exactly_once():
     stale = [(m["name"], m["file"], (ROOT / m["file"]).read_text().count(m["find"]) if (ROOT / m["file"]).exists()
               else "no such file") for m in catalog]
     assert [s for s in stale if s[2] != 1] == []
+
+
+def test_every_python_mutant_parses():
+    """A Python mutant that does not parse is 'killed' by the import error of every test, whatever
+    the suite checks: an invalid mutant. (One did: a replacement cut a comment in half, leaving its
+    tail as code.) The runner reports such a mutant as build-error; here, none is in the catalog."""
+    import ast
+    import tomllib
+
+    catalog = tomllib.loads((ROOT / "tests" / "mutants.toml").read_text())["mutant"]
+    bad = []
+    for m in catalog:
+        if m["file"].endswith(".py"):
+            source = (ROOT / m["file"]).read_text().replace(m["find"], m["replace"])
+            try:
+                ast.parse(source, m["file"])
+            except SyntaxError as exc:
+                bad.append((m["name"], str(exc)))
+    assert bad == []
