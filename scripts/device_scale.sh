@@ -24,32 +24,12 @@
 #   BUILD_S        the build's cap (default 330)
 # .devbuild/_C.*.so (carried): an extension built for the device's python3 and torch, used if it imports.
 # .whl/*.whl (carried): bitsandbytes and torchao for their rows, installed into /tmp/site.
-set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
-T0=$SECONDS
-log() { echo "[device_scale +$((SECONDS - T0))s] $*"; }
+DEVICE_SCRIPT=device_scale
+source "$(dirname "${BASH_SOURCE[0]}")/device_lib.sh"
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader
 free -g | head -2
-ok() { python3 -c "import sys, pagedopt._ops as o; sys.exit(0 if o.has_cuda_kernels() else 1)" 2>/dev/null; }
-if ls .devbuild/_C.*.so >/dev/null 2>&1; then cp .devbuild/_C.*.so pagedopt/; fi
-# a build of this tree left by scripts/device_before_after.sh on a warm machine (same sources)
-if ! ls pagedopt/_C*.so >/dev/null 2>&1 && [[ -f "$HOME/after/.stamp" ]] \
-   && [[ "$(tar c csrc setup.py 2>/dev/null | md5sum | cut -d' ' -f1)" == "$(cat "$HOME/after/.stamp")" ]]; then
-  cp "$HOME"/after/pagedopt/_C*.so pagedopt/ 2>/dev/null
-fi
-if ok; then log "build reused"; else
-  log "building"
-  PAGEDOPT_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 timeout "${BUILD_S:-330}" python3 setup.py build_ext --inplace \
-    > "$OUT/build.log" 2>&1
-  ok || { log "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1; }
-  log "built"
-fi
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site && log "wheels installed: $(ls .whl | tr '\n' ' ')"
-fi
+device_extension
+device_wheels
 END=$(( T0 + ${SCALE_S:-$(( 600 - (SECONDS - T0) - 20 ))} + (SECONDS - T0) ))
 # SCALE_PASSES: "ROWS@SHAPES;ROWS@SHAPES;..." runs bench/scale.py once per pass (each row's shapes
 # its own), one after the other in the time left, each into $OUT/scale_N (tarred into scale.tgz).
