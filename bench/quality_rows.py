@@ -160,10 +160,7 @@ class Emulated4bitAdamW(torch.optim.Optimizer):
         from pagedopt import quant
         self.store = store
         self.code_v = quant.linear_codebook_4bit_no_zero()
-        if m_map == "de":
-            self.code_m = quant.dynamic_codebook_4bit(True)
-        else:
-            self.code_m = torch.tensor(_signed_map(m_map), dtype=torch.float32)
+        self.code_m = torch.tensor(_signed_map(m_map), dtype=torch.float32)
 
     @staticmethod
     def _round(x, code):

@@ -215,7 +215,6 @@ def test_constants_match_the_library():
     assert modes.DEVICE_BUFFER_BYTES == host_resident.DEFAULT_DEVICE_BUFFER
     assert modes.HOST_SLAB_BYTES == host_resident.HOST_SLAB_BYTES
     assert modes.CHUNKS_PER_BUFFER == BackwardUpdates.chunks_per_buffer
-    assert modes.BACKLOG_CHUNKS == BackwardUpdates.backlog_chunks
     assert memory.PAGED_CHUNK_BYTES == residency.CHUNK_BYTES
 
 

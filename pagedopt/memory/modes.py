@@ -35,10 +35,10 @@ counted as the largest trainable tensor's gradient (a tensor larger than a chunk
 gradient until its last piece is updated) plus two chunks' worth of gradients in flight (the one
 filling up and the one being updated: updates that keep up with backward); a chunk is
 ``CHUNK_BYTES`` of states (a quarter of the device buffer for host-resident states). Where the host
-link holds streamed updates back, a step may hold up to ``BACKLOG_CHUNKS`` chunks more, which a hook
-waits on (pagedopt/optim/update_backlog.py): under 2% of the peak from 7B parameters up with the
-default buffer, but 19% of a 1B model's at 32 tokens, where the updates keep up (counting them
-failed tests/test_bench_scale.py's 10% on an H200, 2026-12-07), so they are not counted.
+link holds streamed updates back, a step may hold up to ``BackwardUpdates.backlog_chunks`` chunks
+more before a hook waits (pagedopt/optim/update_backlog.py): under 2% of the peak from 7B parameters
+up with the default buffer, but 19% of a 1B model's at 32 tokens, where the updates keep up and
+hold two, so they are not counted.
 
 The first step makes the states; with updates during backward it updates its parameters in
 chunks as their gradients arrive (the order later steps follow), releasing their gradients as
@@ -65,9 +65,6 @@ CHUNKS_PER_BUFFER = 4
 # chunks whose gradients are held at once while updates run during backward: the one filling up
 # and the one being updated
 CHUNKS_IN_FLIGHT = 2
-# pagedopt.optim.backward_updates.BackwardUpdates.backlog_chunks: the most chunk updates queued and
-# not done before a hook waits (the worst case beyond CHUNKS_IN_FLIGHT; see the module docstring)
-BACKLOG_CHUNKS = 8
 # host memory a host-resident pager pins beyond the states: its slabs (64 MiB at most) are filled
 # one after the other, so at most one is partly empty
 HOST_SLAB_BYTES = 64 << 20
