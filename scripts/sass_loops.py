@@ -6,6 +6,9 @@ loop costs each lane per iteration, and whether it spills (LDL/STL), read from
     cuobjdump -sass /tmp/qs.cubin > /tmp/qs.sass
     python scripts/sass_loops.py /tmp/qs.sass four_bit_step_kernel Adam BFloat16
 
+Where the toolkit has no cuobjdump, the package registry's ``nvidia-cuda-cuobjdump`` wheel holds one
+(``pip download --no-deps nvidia-cuda-cuobjdump``, unzip it: ``nvidia/cu13/bin/cuobjdump``).
+
 Each backward branch (not a ``BRA.DIV`` divergence fallback) closes a loop: its body is every
 instruction from the branch's target to the branch, so the count is an upper bound of one
 iteration's path (branches not taken, such as a slow path's call, are counted too).
