@@ -47,6 +47,7 @@ import sys
 import time
 import tomllib
 from dataclasses import dataclass, field
+from typing import Optional
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -252,6 +253,19 @@ def _failing_test(output: str) -> str:
     return output.strip().splitlines()[-1] if output.strip() else ""
 
 
+def python_parse_error(path: str, source: str) -> Optional[str]:
+    """Why ``source``, the text of ``path``, does not parse, or None (and None for a file that is
+    not Python): a Python mutant that does not parse fails every test by its import, whatever the
+    suite checks, so it is an invalid mutant."""
+    if not path.endswith(".py"):
+        return None
+    try:
+        ast.parse(source, path)
+    except SyntaxError as exc:
+        return str(exc)
+    return None
+
+
 def run_mutant(m: Mutant, scratch: Scratch, device: bool, timeout: float, log, build_timeout: float = 1800.0) -> Result:
     target = scratch.path / m.file
     if not target.is_file():
@@ -266,11 +280,9 @@ def run_mutant(m: Mutant, scratch: Scratch, device: bool, timeout: float, log, b
         return Result(m, "skipped", detail="needs --device (a GPU)")
     start = time.monotonic()
     mutated = original.replace(m.find, m.replace)
-    if m.file.endswith(".py"):  # a mutant that does not parse fails every test by its import: invalid
-        try:
-            ast.parse(mutated, m.file)
-        except SyntaxError as exc:
-            return Result(m, "build-error", detail=f"the mutated file does not parse: {exc}")
+    why = python_parse_error(m.file, mutated)
+    if why is not None:
+        return Result(m, "build-error", detail=f"the mutated file does not parse: {why}")
     target.write_text(mutated)
     try:
         if m.is_cpp:
