@@ -13,8 +13,9 @@
 # trees: scripts/probe_host_time.py on 2000 small tensors, scripts/probe_first_step_memory.py on
 # host residency with and without updates in backward). Env knobs:
 # ROUNDS (alternations of before/after per bench, default 2), STEP_ONLY, STEP_ARGS (more bench_step
-# arguments, e.g. "--sets small"), TRAIN_MODES, TRAIN_STEPS,
-# PYTEST_ARGS. Everything lands in $OUT: build and test logs, step_{before,after}_N.json,
+# arguments, e.g. "--sets small"), TRAIN_MODES, TRAIN_STEPS, PYTEST_ARGS; for the probes PROBE_CLS
+# (default AdamW8bit), PROBE_SIDE (256), PROBE_STEPS (30), PROBE_ROUNDS (1) and PROBE_MEMORY (0: the
+# host time only). Everything lands in $OUT: build and test logs, step_{before,after}_N.json,
 # train_{before,after}_N.json, and a summary printed last.
 set -u
 set -o pipefail
@@ -84,14 +85,18 @@ if has train; then
 fi
 
 if has probe; then  # where a step's host time and the first steps' device memory go, in both trees
-  for which in before after; do
-    log "probes $which"
-    PYTHONPATH="$HOME/$which" timeout "${PROBE_S:-90}" python3 "$HOME/after/scripts/probe_host_time.py" --n 2000 \
-      --steps 30 > "$OUT/probe_host_$which.txt" 2>&1
-    head -2 "$OUT/probe_host_$which.txt"
-    PYTHONPATH="$HOME/$which" timeout "${PROBE_S:-90}" python3 "$HOME/after/scripts/probe_first_step_memory.py" \
-      --modes host,host_bwd --layers 8 --out "$OUT/probe_memory_$which.json" > "$OUT/probe_memory_$which.txt" 2>&1
-    grep -v "^    stream" "$OUT/probe_memory_$which.txt" | tail -6
+  for r in $(seq 1 "${PROBE_ROUNDS:-1}"); do
+    for which in before after; do
+      log "probes $which round $r"
+      PYTHONPATH="$HOME/$which" timeout "${PROBE_S:-90}" python3 "$HOME/after/scripts/probe_host_time.py" --n 2000 \
+        --cls "${PROBE_CLS:-AdamW8bit}" --side "${PROBE_SIDE:-256}" --steps "${PROBE_STEPS:-30}" \
+        > "$OUT/probe_host_${which}_$r.txt" 2>&1
+      head -2 "$OUT/probe_host_${which}_$r.txt"
+      [[ "${PROBE_MEMORY:-1}" == 1 && $r == 1 ]] || continue
+      PYTHONPATH="$HOME/$which" timeout "${PROBE_S:-90}" python3 "$HOME/after/scripts/probe_first_step_memory.py" \
+        --modes host,host_bwd --layers 8 --out "$OUT/probe_memory_$which.json" > "$OUT/probe_memory_$which.txt" 2>&1
+      grep -v "^    stream" "$OUT/probe_memory_$which.txt" | tail -6
+    done
   done
 fi
 

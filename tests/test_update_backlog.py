@@ -120,20 +120,24 @@ def test_a_bad_limit_is_refused(bad):
 @pytest.mark.cuda
 @pytest.mark.parametrize("update_thread", [False, True], ids=["in_hooks", "update_thread"])
 def test_slow_updates_do_not_pile_up_gradients(monkeypatch, update_thread):
-    """Updates slowed on the GPU (a 2 ms sleep queued before each chunk's update, as the host link
-    slows streamed states) against a fast backward. Unbounded, backward runs ahead and nearly every
-    gradient waits for its update; with a backlog of 2 chunks the peak is lower by at least half
-    the gradients' bytes (the model: 24 layers of 4 MiB of fp32 gradients, chunks of 1 MiB of
-    states, half a layer, so at most about 3 layers' gradients are held), and the parameters are
-    bit for bit the same.
+    """Updates slowed on the GPU (a sleep of about 8 ms queued before each chunk's update, as the host
+    link slows streamed states) against a fast backward. Unbounded, backward runs ahead and nearly
+    every gradient waits for its update; with a backlog of 2 chunks the peak is lower by at least
+    half the gradients' bytes (the model: 24 layers of 4 MiB of fp32 gradients, chunks of 1 MiB of
+    states, half a layer, so at most about 3 layers' gradients are held), and the parameters are bit
+    for bit the same.
 
     The peak is of *reserved* memory, from an emptied cache: a released gradient still read by a
     queued update counts as freed in ``memory_allocated`` at once (the caching allocator subtracts
     it when the tensor dies), but its block is not reused until the update stream passes the event
     recorded for it, so later gradients take new segments: that is the memory the backlog bounds.
-    Segments of 4 MiB blocks come 20 MiB at a time, so each peak is known to within 20 MiB; the
-    gap allowed (half the gradients, 48 MiB, against about 21 layers' 84 MiB expected) leaves room
-    for two such roundings."""
+    Segments of 4 MiB blocks come 20 MiB at a time, so each peak is known to within 20 MiB; the gap
+    allowed (half the gradients, 48 MiB, against about 21 layers' 84 MiB expected) leaves room for
+    two such roundings. How far an unbounded backward runs ahead is the ratio of an update's time to
+    the host time of backward between two chunks (its autograd work and the hooks'): with a 2 ms
+    sleep the gap on an H100 was 40 MiB in one run and over 48 MiB in another, too near the allowed
+    gap; at 8 ms a chunk the 48 chunks' updates take about 0.4 s against a backward of a few tens of
+    ms, and nearly every gradient is still held when backward ends."""
     from pagedopt import paging
     from pagedopt.optim import backward_updates
 
@@ -143,7 +147,7 @@ def test_slow_updates_do_not_pile_up_gradients(monkeypatch, update_thread):
     real = backward_updates.update_part
 
     def slow_update_part(*args, **kwargs):
-        torch.cuda._sleep(3_000_000)  # about 2 ms at 1.5-2 GHz, on the update stream
+        torch.cuda._sleep(15_000_000)  # about 8 ms at 1.7-2 GHz, on the update stream
         return real(*args, **kwargs)
 
     monkeypatch.setattr(backward_updates, "update_part", slow_update_part)
