@@ -71,3 +71,81 @@ def test_runs_of_fp32_copies_give_the_same_step(dtype):
         for k in ("state1", "state2", "step"):
             assert torch.equal(opt_whole.state[p][k], opt_cut.state[q][k]), k
     assert all(float(opt_cut.state[q]["step"]) == 2.0 for q in cut)  # the found_inf step did not count
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_copies_take_a_few_ops_a_run_not_a_few_a_tensor(dtype):
+    """The fp32 copies of a run are filled and written back by one _foreach_copy_ each: the torch
+    calls a step makes from Python (counted by a TorchFunctionMode; the metadata reads ``numel``
+    and attribute ``__get__`` aside, which launch nothing) are as many with 64 tensors as with 8,
+    where a copy per tensor (``.float()`` of each parameter and gradient, ``copy_`` back) would add
+    three a tensor."""
+    from collections import Counter
+
+    from torch.overrides import TorchFunctionMode
+
+    class Calls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = Counter()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names[getattr(func, "__name__", str(func))] += 1
+            return func(*args, **(kwargs or {}))
+
+    def calls(n):
+        gen = torch.Generator().manual_seed(5)
+        params = [torch.randn(50, generator=gen).to(dtype).requires_grad_(True) for _ in range(n)]
+        opt = pagedopt.AdamW32bit(params, lr=1e-2)
+        for p in params:
+            p.grad = torch.randn(50, generator=gen).to(dtype)
+        opt.step()  # the states made
+        with Calls() as mode:
+            opt.step()
+        assert mode.names["_fused_adamw_"] == 1
+        return {k: v for k, v in mode.names.items() if k not in ("numel", "__get__")}
+
+    assert calls(8) == calls(64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_skipped_step_changes_nothing(dtype):
+    """GradScaler's found_inf = 1 on 16-bit parameters with 32-bit states: parameters and states
+    bit for bit as they were, the step counter not advanced (the fp32 copies' write-back then
+    writes each parameter's own value back)."""
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.randn(s, generator=gen).to(dtype).requires_grad_(True) for s in [(37, 111), (5,), (3000,)]]
+    opt = pagedopt.AdamW32bit(params, lr=1e-2, weight_decay=0.1)
+    for t in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+        if t == 2:
+            before = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in params]
+            opt.grad_scale, opt.found_inf = torch.tensor(1.0), torch.tensor(1.0)
+        opt.step()
+    for p, (value, state) in zip(params, before):
+        assert torch.equal(p.detach(), value)
+        for k, v in state.items():
+            assert torch.equal(opt.state[p][k], v), k
+    assert all(float(opt.state[p]["step"]) == 2.0 for p in params)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_copies_take_eight_bytes_an_element_on_the_gpu(dtype):
+    """A step of 16-bit parameters with 32-bit states allocates the fp32 copies of the parameters
+    and gradients and nothing more: at most 8 bytes an element (3.2 MB for these 400,000 elements;
+    the caching allocator rounds each of the two buffers up to 2 MiB, so 4 MiB is the bound) and at
+    least the parameters' copy (1.6 MB: the buffers are made, not skipped)."""
+    torch.manual_seed(0)
+    params = [torch.randn(400, 1000, device="cuda").to(dtype).requires_grad_(True)]
+    opt = pagedopt.AdamW32bit(params, lr=1e-2)
+    for _ in range(2):  # the first step makes the states
+        params[0].grad = torch.randn_like(params[0])
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        opt.step()
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert 1_600_000 <= peak <= 4 << 20, peak

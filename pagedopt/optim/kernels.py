@@ -170,13 +170,16 @@ def fused32_step(spec: AlgorithmSpec, group: dict, chunk: Chunk, lr, grad_scale,
     # torch's fused kernel wants params, grads and states of one dtype, and the states stay fp32:
     # it runs on fp32 copies of the params and grads, made a run of at most FP32_COPY_NUMEL
     # elements at a time (the update is elementwise, so a tensor may be cut into flat ranges), so
-    # that the copies never cost more than a few MiB of memory.
-    for run in flat_runs([w.numel() for w in work_params], FP32_COPY_NUMEL, FP32_COPY_ALIGN):
-        views = flat_parts(work_params, run)
-        run_params = [x.float() for x in views]
-        fused(run_params, [x.float() for x in flat_parts(work_grads, run)], flat_parts(state1, run),
-              flat_parts(state2, run), [], [steps[i] for i, _, _ in run], **hyper)
-        write_back(views, run_params)
+    # that the copies never cost more than a few MiB of memory. Each run's copies are views of one
+    # fp32 buffer filled and written back by one _foreach_copy_ each (a few launches a run, not
+    # three a tensor: the host time of a step over many small 16-bit tensors).
+    numels = [w.numel() for w in work_params]
+    for run in flat_runs(numels, FP32_COPY_NUMEL, FP32_COPY_ALIGN):
+        parts = run_parts(work_params, run, numels)
+        run_params = fp32_copies(parts)
+        fused(run_params, fp32_copies(run_parts(work_grads, run, numels)), run_parts(state1, run, numels),
+              run_parts(state2, run, numels), [], [steps[i] for i, _, _ in run], **hyper)
+        torch._foreach_copy_(parts, run_params)
 
 
 def plain_sgd(group: dict, params, grads, grad_scale, found_inf, bucket: Optional[Bucket] = None) -> None:
@@ -296,6 +299,17 @@ def flat_runs(numels: list[int], max_numel: int, align: int = 1) -> list[list[tu
     return runs
 
 
-def flat_parts(tensors: list[torch.Tensor], run: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-    """The flat views of ``tensors`` (contiguous) that a run of flat_runs names."""
-    return [tensors[i].view(-1)[start:end] for i, start, end in run]
+def run_parts(tensors: list[torch.Tensor], run: list[tuple[int, int, int]], numels: list[int]) -> list[torch.Tensor]:
+    """What a run of flat_runs names of ``tensors`` (contiguous; ``numels``: their sizes): a whole
+    tensor as it is, a cut one as the flat view of its range."""
+    return [tensors[i] if start == 0 and end == numels[i] else tensors[i].view(-1)[start:end]
+            for i, start, end in run]
+
+
+def fp32_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp32 copies of ``tensors`` (contiguous, of one device), each of its tensor's shape: views of
+    one new buffer, filled by one _foreach_copy_."""
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32, device=tensors[0].device)
+    copies = list(torch._C._nn.unflatten_dense_tensors(flat, tensors))
+    torch._foreach_copy_(copies, tensors)
+    return copies
