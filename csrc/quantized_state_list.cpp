@@ -1,6 +1,9 @@
 // QuantizedStateList::gather_grads (csrc/include/pagedopt/quantized_state_list.h): reads the held
 // parameters from their Python objects, so it is compiled here, with torch's Python headers, and
-// not in the header that nvcc-compiled and backend files include.
+// not in the header that nvcc-compiled and backend files include; and step_torch_fused, which
+// calls torch's fused Adam/AdamW ops.
+#include <ATen/ops/_fused_adam.h>
+#include <ATen/ops/_fused_adamw.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "pagedopt/quantized_state_list.h"
@@ -30,6 +33,35 @@ bool QuantizedStateList::gather_grads() {
     gathered_grads.push_back(g);
   }
   return true;
+}
+
+void QuantizedStateList::step_torch_fused(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                                          const std::vector<double>& hyper,
+                                          const std::optional<at::Tensor>& grad_scale,
+                                          const std::optional<at::Tensor>& found_inf,
+                                          const std::optional<at::Tensor>& lr) {
+  const size_t n = steps.size();
+  TORCH_CHECK_VALUE(hyper.size() == 5, "step_gathered: ", algorithm, " takes 5 hyper values (lr, beta1, beta2, ",
+                    "weight_decay, eps), got ", hyper.size());
+  TORCH_CHECK(states.size() == 2 * n && absmax.empty() && qmaps.empty(), "step_gathered: ", algorithm,
+              " holds 2 x ", n, " fp32 states and no codebooks, not ", states.size(), " states");
+  const at::TensorList all(states);
+  const at::TensorList exp_avgs = all.slice(0, n), exp_avg_sqs = all.slice(n, n);
+  const bool decoupled = algorithm == "_fused_adamw_";
+  const double beta1 = hyper[1], beta2 = hyper[2], weight_decay = hyper[3], eps = hyper[4];
+  if (decoupled && lr.has_value()) {
+    at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, *lr, beta1, beta2, weight_decay, eps,
+                      /*amsgrad=*/false, /*maximize=*/false, grad_scale, found_inf);
+  } else if (decoupled) {
+    at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, hyper[0], beta1, beta2, weight_decay, eps,
+                      /*amsgrad=*/false, /*maximize=*/false, grad_scale, found_inf);
+  } else if (lr.has_value()) {
+    at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, *lr, beta1, beta2, weight_decay, eps,
+                     /*amsgrad=*/false, /*maximize=*/false, grad_scale, found_inf);
+  } else {
+    at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, hyper[0], beta1, beta2, weight_decay, eps,
+                     /*amsgrad=*/false, /*maximize=*/false, grad_scale, found_inf);
+  }
 }
 
 }  // namespace pagedopt

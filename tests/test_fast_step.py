@@ -1,7 +1,9 @@
 """The fast step (pagedopt/optim/fast_step.py): taken when the plan holds every parameter, bit for
 bit the ordinary step (GradScaler's scale and skipped steps included), and giving way to it, with
 nothing changed, whenever it could differ: a missing, non-contiguous or mismatched gradient, a
-parameter replaced in its group or swapped by torch.utils.swap_tensors, LARS/LAMB, 32-bit Adam."""
+parameter replaced in its group or swapped by torch.utils.swap_tensors, LARS/LAMB, 32-bit Adam on
+16-bit parameters (fp32 copies). 32-bit Adam/AdamW on fp32 parameters runs torch's fused op on a
+held list."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +14,7 @@ from pagedopt.optim import base as optim_base
 from pagedopt.optim import fast_step as fast_module
 
 CLASSES = ["AdamW8bit", "Adam8bit", "Lion8bit", "Lion32bit", "AdEMAMix8bit", "SGD8bit", "RMSprop8bit",
-           "Adagrad8bit", "PagedAdamW8bit", "AdamW8bit_bf16"]
+           "Adagrad8bit", "PagedAdamW8bit", "AdamW8bit_bf16", "AdamW32bit", "Adam32bit", "PagedAdamW32bit"]
 
 
 def _make(name, seed=0, **kw):
@@ -21,6 +23,7 @@ def _make(name, seed=0, **kw):
     g = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in ((40, 33), (700,), (5,))]
     extra = {"momentum": 0.9} if name.startswith(("SGD", "LARS")) and "momentum" not in kw else {}
+    kw.setdefault("weight_decay", 0.05)  # so that Adam's L2 and AdamW's decoupled decay differ
     opt = getattr(pagedopt, name)(params, lr=1e-2, min_8bit_size=100, **extra, **kw)
     return opt, params
 
@@ -80,7 +83,7 @@ def test_fast_steps_are_taken_and_bit_for_bit_the_ordinary_ones(name, taken, mon
     assert float(opt.state[params[0]]["step"]) == 4.0  # step 3 was skipped (found_inf = 1)
 
 
-@pytest.mark.parametrize("name", ["LARS8bit", "LAMB8bit", "AdamW32bit", "SGD"])
+@pytest.mark.parametrize("name", ["LARS8bit", "LAMB8bit", "AdamW32bit_bf16", "SGD"])
 def test_no_fast_step_without_held_lists_or_with_a_norm_pass(name, taken):
     kw = {"momentum": 0.0} if name == "SGD" else {}
     _run(name, 3, True, **kw)

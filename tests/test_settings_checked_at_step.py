@@ -31,7 +31,7 @@ def _opt(cls, fast: bool):
 def test_a_setting_changed_by_hand_is_refused_at_the_next_step_changing_nothing(cls, fast, key, value, why):
     opt, params = _opt(cls, fast)
     plan = opt.step_plan
-    assert plan is not None and plan.fast == (cls is pagedopt.AdamW8bit)
+    assert plan is not None and plan.fast  # both qualify: the "ordinary" case then gives way
     for p in params:
         if p.grad is not None:
             p.grad = torch.randn_like(p)

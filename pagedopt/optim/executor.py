@@ -15,7 +15,7 @@ from typing import Callable, Optional
 from .. import _ops
 from . import kernels, residency
 from .algorithms.spec import AlgorithmSpec
-from .plan import STATELESS, Bucket, StepPlan, group_of
+from .plan import ENGINE, STATELESS, Bucket, StepPlan, group_of
 from .sharding import is_dtensor
 from .step_counters import add_to_counters, subtract_from_counters
 
@@ -69,9 +69,10 @@ def run(spec: AlgorithmSpec, pager, param_groups: list[dict], plan: StepPlan, wo
 
 
 def runs_held(bucket: Bucket, contiguous: bool, pager) -> bool:
-    """Whether the bucket is updated by one call on the states it holds in C++ (resident states,
-    contiguous parameters)."""
-    return bucket.held is not None and contiguous and residency.all_resident(pager)
+    """Whether the bucket is updated by one call of the engine on the states it holds in C++
+    (resident states, contiguous parameters; a FUSED32 bucket's held list serves the fast step
+    only, its ordinary step is torch's op on Python lists)."""
+    return bucket.held is not None and bucket.kernel == ENGINE and contiguous and residency.all_resident(pager)
 
 
 def step_bucket(spec: AlgorithmSpec, pager, group: dict, bucket: Bucket, params, grads, contiguous: bool,

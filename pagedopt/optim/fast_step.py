@@ -7,7 +7,8 @@ every parameter of the optimizer in C++ state lists (QuantizedStateList, which k
 each parameter's Python object; csrc/include/pagedopt/quantized_state_list.h), a step
 instead asks each list to collect the gradients itself (``gather_grads``: in C++, a few tens of ns
 per parameter) and runs the same op on them (``step_gathered``), so the Python work is a few calls
-per bucket.
+per bucket. The op is the engine's, or torch's fused Adam/AdamW for 32-bit states of fp32
+parameters (a held list of that algorithm: the same call the ordinary step makes from Python).
 
 The fast step runs only when it would do exactly what the ordinary step does, and otherwise gives
 way to it before anything changes: every parameter of the param groups had a gradient when the
@@ -15,9 +16,10 @@ plan was built and still has one, contiguous and matching it; the plan is curren
 groups and parameters, in order: this is also what keeps the held Python objects alive); states
 are resident (or not paged); the optimizer steps through held lists (not LARS/LAMB, whose norm
 pass comes first, nor DTensor parameters). A parameter swapped by torch.utils.swap_tensors
-(module.to() with swapping on) is read as it is now, from its Python object. Buckets without a held list (32-bit Adam, which
-runs torch's fused kernel; plain SGD without states) take their ordinary step on Python lists of
-their own parameters, usually the few small ones.
+(module.to() with swapping on) is read as it is now, from its Python object. Buckets without a
+held list (32-bit Adam on 16-bit parameters, which runs torch's fused kernel on fp32 copies; plain
+SGD without states) take their ordinary step on Python lists of their own parameters, usually the
+few small ones.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from itertools import chain
 
 from .. import _ops
 from . import capture, executor, kernels
-from .plan import StepPlan, group_of, is_current
+from .plan import FUSED32, StepPlan, group_of, is_current
 from .residency import all_resident, streams_now
 
 
@@ -62,6 +64,8 @@ def fast_step(opt, plan: StepPlan) -> bool:
     for b in buckets:  # every held bucket's hyperparameters read before anything changes
         group = group_of(groups, b)
         hyper, lr = kernels.hyper_and_lr(spec, group, b.device)
+        if b.kernel == FUSED32:
+            hyper, lr = kernels.fused32_hyper(group, lr)
         calls.append((group, None if b.held is None else [float(h) for h in hyper], lr, kernels.sr_seed(group, b)))
     unheld = {}  # the buckets without a held list (32-bit Adam, plain SGD): their ordinary step, on Python lists
     for i, b in enumerate(buckets):

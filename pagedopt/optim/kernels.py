@@ -153,17 +153,25 @@ def engine_step(spec: AlgorithmSpec, bucket: Bucket, chunk: Chunk, hyper: list, 
                          scales=scales, lr=lr, **(sr or {}))
 
 
+def fused32_hyper(group: dict, lr: Optional[torch.Tensor]) -> tuple[list, Optional[torch.Tensor]]:
+    """torch's fused Adam/AdamW settings of ``group``: [lr, beta1, beta2, weight_decay, eps] (the
+    order of QuantizedStateList.step_torch_fused), and the lr tensor the kernel reads instead of
+    the first (float32, as torch's kernel reads it; None: a float lr)."""
+    if lr is not None and lr.dtype != torch.float32:
+        lr = lr.float()
+    beta1, beta2 = group["betas"]
+    return [0.0 if lr is not None else float(group["lr"]), float(beta1), float(beta2), float(group["weight_decay"]),
+            float(group["eps"])], lr
+
+
 def fused32_step(spec: AlgorithmSpec, group: dict, chunk: Chunk, lr, grad_scale, found_inf) -> None:
     """32-bit states updated by torch's fused Adam/AdamW kernel (CPU and CUDA), on plain (local) tensors."""
     state1, state2, steps = chunk.lists["state1"], chunk.lists["state2"], chunk.lists["step"]
     work_params, work_grads = chunk.work_params, chunk.work_grads
-    beta1, beta2 = group["betas"]
     fused = getattr(torch, spec.fused32)
-    if lr is not None and lr.dtype != torch.float32:
-        lr = lr.float()  # torch's fused kernel reads a float32 lr tensor
-    hyper = dict(lr=float(group["lr"]) if lr is None else lr, beta1=float(beta1), beta2=float(beta2),
-                 weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), amsgrad=False,
-                 maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+    (lr_value, beta1, beta2, weight_decay, eps), lr = fused32_hyper(group, lr)
+    hyper = dict(lr=lr_value if lr is None else lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                 amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
     if work_params[0].dtype == torch.float32:
         fused(work_params, work_grads, state1, state2, [], steps, **hyper)
         return

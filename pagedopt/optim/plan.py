@@ -35,7 +35,7 @@ class Bucket(NamedTuple):
     params: list[torch.Tensor]
     states: list[dict]
     lists: dict                # key -> one tensor per parameter, for each key of spec.call_keys
-    held: Any                  # the same lists held by a C++ QuantizedStateList, or None
+    held: Any                  # the same lists held by a C++ QuantizedStateList (holds_states), or None
     override: dict             # GlobalOptimManager settings over the group's (lr, betas, eps, weight_decay)
     kernel: str                # ENGINE, FUSED32 or STATELESS (kernels.py)
     sr_ids: list               # each parameter's id for stochastic rounding (sr_place)
@@ -92,11 +92,19 @@ def kernel_of(spec: AlgorithmSpec, quantized: bool, stateful: bool) -> str:
     return FUSED32 if spec.fused32 is not None and not quantized else ENGINE
 
 
-def hold_states(spec: AlgorithmSpec, lists: dict, first_state: dict, quantized: bool):
+def holds_states(kernel: str, dtype: torch.dtype) -> bool:
+    """Whether a bucket of this kernel and parameter dtype can hold its states in C++ (for resident
+    states without a norm pass first): the engine's, and torch's fused kernel's on fp32 parameters
+    (16-bit ones go through fp32 copies, kernels.fused32_step)."""
+    return kernel == ENGINE or (kernel == FUSED32 and dtype == torch.float32)
+
+
+def hold_states(spec: AlgorithmSpec, lists: dict, first_state: dict, quantized: bool, kernel: str = ENGINE):
     """The bucket's state lists held by the C++ side, so that a step passes only parameters and
-    gradients (see quantized_state_list.h); ``first_state`` gives the codebooks."""
+    gradients (see quantized_state_list.h); ``first_state`` gives the codebooks. A FUSED32 bucket's
+    list is stepped by torch's fused op (``spec.fused32``), in the fast step."""
     return torch.classes.pagedopt.QuantizedStateList(
-        spec.engine, [t for k in spec.state_keys for t in lists[k]],
+        spec.fused32 if kernel == FUSED32 else spec.engine, [t for k in spec.state_keys for t in lists[k]],
         [t for k in spec.absmax_keys for t in lists[k]] if quantized else [], lists["step"],
         [first_state[q] for q in spec.qmap_keys] if quantized else [])
 
@@ -146,14 +154,14 @@ def build_plan(spec: AlgorithmSpec, param_groups: list[dict], state: StateTable,
     # before the state lists are held: they take the shared counters (step_counters.py)
     steps_by_device = {device: share_step_counters(states, device) for device, states in on_device.items()}
     buckets = []
-    for (gi, device, _, fmt, stateful, _, setting), index in members.items():
+    for (gi, device, dtype, fmt, stateful, _, setting), index in members.items():
         bucket_params = [params[i] for i in index]
         states = [state[p] for p in bucket_params]
         lists = {k: [s[k] for s in states] for k in spec.call_keys(fmt.quantized, stateful)}
         kernel = kernel_of(spec, fmt.quantized, stateful)
         # held in C++ where one call does the whole bucket (not streamed states, nor a norm pass first)
-        held = (hold_states(spec, lists, states[0], fmt.quantized) if kernel == ENGINE and not streamed
-                and not spec.norm_scaled else None)
+        held = (hold_states(spec, lists, states[0], fmt.quantized, kernel)
+                if holds_states(kernel, dtype) and not streamed and not spec.norm_scaled else None)
         places = [sr_place(group_start[index_of[id(p)][0]] + index_of[id(p)][1], p) for p in bucket_params]
         ids, offsets = [place[0] for place in places], [place[1] for place in places]
         if held is not None:

@@ -9,6 +9,10 @@
 // The fast step (gather_grads, then step_gathered) holds no reference at all, only the address of
 // each parameter's Python object (swap_tensors refuses tensors with C++ weak references too), and
 // reads the parameter from that object at each step. So a step passes no tensor list.
+//
+// A list whose algorithm is torch's fused Adam/AdamW ("_fused_adam_", "_fused_adamw_": 32-bit
+// states of fp32 parameters, first moments then second moments, no codebooks) is stepped by that
+// aten op instead of quantized_step_, in the fast step only.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/TensorImpl.h>
@@ -45,6 +49,8 @@ struct QuantizedStateList : torch::CustomClassHolder {
   std::vector<at::Tensor> gathered_grads;
 
   int64_t size() const { return static_cast<int64_t>(steps.size()); }
+
+  bool torch_fused() const { return algorithm == "_fused_adam_" || algorithm == "_fused_adamw_"; }
 
   // Holds, for the fast step, the Python objects of `params` (one per held state, in order).
   void hold_params(std::vector<at::Tensor> params) {
@@ -92,8 +98,16 @@ struct QuantizedStateList : torch::CustomClassHolder {
   // the param groups hold exactly them, in order, right before (csrc/quantized_state_list.cpp).
   bool gather_grads();
 
+  // torch's fused Adam/AdamW on the held states (torch_fused()): hyper is (lr, beta1, beta2,
+  // weight_decay, eps), `lr` (a float32 tensor on the parameters' device) replacing hyper[0] when
+  // given (csrc/quantized_state_list.cpp).
+  void step_torch_fused(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                        const std::vector<double>& hyper, const std::optional<at::Tensor>& grad_scale,
+                        const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& lr);
+
   // The step on what gather_grads collected, through the op quantized_step_ (every argument check
-  // of the ordinary step runs); the collected tensors are released whatever happens.
+  // of the ordinary step runs), or torch's fused op for a torch_fused() list; the collected tensors
+  // are released whatever happens.
   void step_gathered(std::vector<double> hyper, std::optional<at::Tensor> grad_scale,
                      std::optional<at::Tensor> found_inf, std::optional<at::Tensor> lr,
                      std::optional<int64_t> sr_seed) {
@@ -102,6 +116,11 @@ struct QuantizedStateList : torch::CustomClassHolder {
     release();
     TORCH_CHECK(!params.empty() && params.size() == steps.size(),
                 "step_gathered: gather_grads() did not collect this list's parameters first");
+    if (torch_fused()) {
+      TORCH_CHECK_VALUE(!sr_seed.has_value(), "step_gathered: ", algorithm, " has no stochastic rounding");
+      step_torch_fused(params, grads, hyper, grad_scale, found_inf, lr);
+      return;
+    }
     static const auto op =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("pagedopt::quantized_step_", "")
