@@ -15,8 +15,9 @@
 # ROUNDS (alternations of before/after per bench, default 2), STEP_ONLY, STEP_ARGS (more bench_step
 # arguments, e.g. "--sets small"), TRAIN_MODES, TRAIN_STEPS, PYTEST_ARGS; for the probes PROBE_CLS
 # (default AdamW8bit), PROBE_SIDE (256), PROBE_STEPS (30), PROBE_ROUNDS (1) and PROBE_MEMORY (0: the
-# host time only). Everything lands in $OUT: build and test logs, step_{before,after}_N.json,
-# train_{before,after}_N.json, and a summary printed last.
+# host time only). Everything lands in $OUT: pytest_cuda.log, summary.txt (the table, also printed
+# last) and before_after.tgz (build logs, step_{before,after}_N.json, train_{before,after}_N.json,
+# the probes' output: a call brings back at most 8 files).
 set -u
 set -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
@@ -100,4 +101,7 @@ if has probe; then  # where a step's host time and the first steps' device memor
   done
 fi
 
-python3 "$SRC/scripts/before_after_table.py" "$OUT" || true
+python3 "$SRC/scripts/before_after_table.py" "$OUT" | tee "$OUT/summary.txt" || true
+# a call brings back at most 8 files: everything but the summary and the test log goes in one archive
+(cd "$OUT" && mapfile -t rest < <(ls | grep -v -x -e summary.txt -e pytest_cuda.log -e before_after.tgz) \
+   && (( ${#rest[@]} )) && tar czf before_after.tgz "${rest[@]}" && rm -rf "${rest[@]}") || true
