@@ -67,7 +67,7 @@ def fast_step(opt, plan: StepPlan) -> bool:
         if b.kernel == FUSED32:
             hyper, lr = kernels.fused32_hyper(group, lr)
         calls.append((group, None if b.held is None else [float(h) for h in hyper], lr, kernels.sr_seed(group, b)))
-    unheld = {}  # the buckets without a held list (32-bit Adam, plain SGD): their ordinary step, on Python lists
+    unheld = {}  # buckets without a held list (32-bit Adam on 16-bit params, plain SGD): their ordinary step
     for i, b in enumerate(buckets):
         if b.held is None:
             grads = [p.grad for p in b.params]
