@@ -49,6 +49,17 @@ def _snapshot(opt, params):
 @pytest.mark.parametrize("name", ["AdamW8bit", "PagedAdamW8bit", "Lion8bit", "AdEMAMix32bit", "SGD8bit",
                                   "RMSprop8bit", "AdamW4bit", "PagedLion4bit"])
 def test_fast_steps_on_the_gpu_are_the_ordinary_steps(name, dtype, monkeypatch):
+    _fast_equals_ordinary(name, dtype, monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["AdamW32bit", "Adam32bit"])
+def test_fast_32bit_adam_on_the_gpu_is_the_ordinary_step(name, monkeypatch):
+    """32-bit states of fp32 parameters: torch's fused op called from the held list (C++) against
+    the same op called from Python, bit for bit."""
+    _fast_equals_ordinary(name, torch.float32, monkeypatch)
+
+
+def _fast_equals_ordinary(name, dtype, monkeypatch):
     seen = []
     monkeypatch.setattr(optim_base, "fast_step", lambda o, p: seen.append(fast_module.fast_step(o, p)) or seen[-1])
     opt, params = _make(name, dtype)
