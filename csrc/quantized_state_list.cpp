@@ -16,6 +16,7 @@ bool QuantizedStateList::gather_grads() {
   if (n == 0 || n != steps.size()) return false;
   gathered_params.reserve(n);
   gathered_grads.reserve(n);
+  const bool fused = torch_fused() && states.size() == 2 * n;
   for (size_t i = 0; i < n; ++i) {
     PyObject* obj = static_cast<PyObject*>(held_pyobjs[i]);
     if (!THPVariable_Check(obj)) {
@@ -29,8 +30,22 @@ bool QuantizedStateList::gather_grads() {
       release();
       return false;
     }
+    if (fused && !fused_states_match(i, p)) {
+      release();
+      return false;
+    }
     gathered_params.push_back(p);
     gathered_grads.push_back(g);
+  }
+  return true;
+}
+
+bool QuantizedStateList::fused_states_match(size_t i, const at::Tensor& p) const {
+  const size_t n = steps.size();
+  for (const at::Tensor& s : {states[i], states[n + i]}) {
+    if (s.scalar_type() != at::kFloat || s.numel() != p.numel() || !s.is_contiguous() || s.device() != p.device()) {
+      return false;
+    }
   }
   return true;
 }

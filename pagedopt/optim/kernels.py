@@ -32,6 +32,7 @@ import torch
 
 from .. import _ops
 from .algorithms.spec import AlgorithmSpec
+from .grad_checks import describe
 from .plan import ENGINE, FUSED32, STATELESS, Bucket
 from .residency import Chunk, write_back
 from .sharding import is_dtensor
@@ -164,10 +165,21 @@ def fused32_hyper(group: dict, lr: Optional[torch.Tensor]) -> tuple[list, Option
             float(group["eps"])], lr
 
 
-def fused32_step(spec: AlgorithmSpec, group: dict, chunk: Chunk, lr, grad_scale, found_inf) -> None:
-    """32-bit states updated by torch's fused Adam/AdamW kernel (CPU and CUDA), on plain (local) tensors."""
+def fused32_step(spec: AlgorithmSpec, group: dict, gi: int, chunk: Chunk, lr, grad_scale, found_inf) -> None:
+    """32-bit states updated by torch's fused Adam/AdamW kernel (CPU and CUDA), on plain (local)
+    tensors, after checking the moments' sizes (``gi``: the group's index, for the message)."""
     state1, state2, steps = chunk.lists["state1"], chunk.lists["state2"], chunk.lists["step"]
     work_params, work_grads = chunk.work_params, chunk.work_grads
+    numels = [w.numel() for w in work_params]
+    for key, moments in (("state1", state1), ("state2", state2)):  # torch's kernel trusts their sizes
+        if [s.numel() for s in moments] != numels or not all(s.is_contiguous() for s in moments):
+            i = next(i for i, s in enumerate(moments) if s.numel() != numels[i] or not s.is_contiguous())
+            p = chunk.params[i]
+            pi = next((k for k, q in enumerate(group["params"]) if q is p), None)
+            where = describe(gi, pi, p) if pi is not None else f"a parameter of param_groups[{gi}]"
+            raise ValueError(f"{where}: state[{key!r}] has {moments[i].numel()} elements"
+                             f"{'' if moments[i].is_contiguous() else ', not contiguous'} for a parameter of "
+                             f"{numels[i]} (changed in place since the step plan was made)")
     fused = getattr(torch, spec.fused32)
     (lr_value, beta1, beta2, weight_decay, eps), lr = fused32_hyper(group, lr)
     hyper = dict(lr=lr_value if lr is None else lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
@@ -181,7 +193,6 @@ def fused32_step(spec: AlgorithmSpec, group: dict, chunk: Chunk, lr, grad_scale,
     # that the copies never cost more than a few MiB of memory. Each run's copies are views of one
     # fp32 buffer filled and written back by one _foreach_copy_ each (a few launches a run, not
     # three a tensor: the host time of a step over many small 16-bit tensors).
-    numels = [w.numel() for w in work_params]
     for run in flat_runs(numels, FP32_COPY_NUMEL, FP32_COPY_ALIGN):
         parts = run_parts(work_params, run, numels)
         run_params = fp32_copies(parts)
@@ -222,7 +233,7 @@ def step_chunk(spec: AlgorithmSpec, bucket: Bucket, group: dict, chunk: Chunk, g
     hyper, lr = hyper_and_lr(spec, group, bucket.device)
     sr = sr_args(group, bucket, chunk)
     if bucket.kernel == "fused32" and not sr:  # with stochastic rounding: the engine (see the module)
-        fused32_step(spec, group, chunk, lr, grad_scale, found_inf)
+        fused32_step(spec, group, bucket.gi, chunk, lr, grad_scale, found_inf)
     elif spec.norm_scaled:
         if squares is None:
             squares = update_squares(spec, bucket, chunk, hyper, lr, grad_scale)

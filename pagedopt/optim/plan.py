@@ -19,7 +19,8 @@ import torch
 
 from . import sharding
 from .algorithms.spec import AlgorithmSpec
-from .state_format import FLOAT32, StateFormat, format_of
+from .grad_checks import locate
+from .state_format import FLOAT32, StateFormat, format_of, state_mismatch
 from .state_table import StateTable
 from .step_counters import share_step_counters
 
@@ -130,12 +131,18 @@ def build_plan(spec: AlgorithmSpec, param_groups: list[dict], state: StateTable,
         if check_new is not None:
             check_new(config, p, gi, pi)
         configs.append((gi, override, config))
-    # the transaction: every missing state is made first, then all are stored at once
+    # the transaction: every missing state is made first, every state checked, then all are stored at once
     made = {}
     for p, (_, _, config) in zip(params, configs):
         complete = new_state(config, p, state[p] if p in state else {})
         if complete is not None:
             made[p] = complete
+    for p in params:  # states set by hand (a state replaced in opt.state) before a kernel reads them
+        final = made[p] if p in made else state[p]
+        why = state_mismatch(final, spec, sharding.local(p), not streamed)
+        if why is not None:
+            raise ValueError(f"{locate(param_groups, p)}: {why} (a state set by hand must keep the shape, dtype "
+                             "and device the optimizer gave it)")
     for p, complete in made.items():
         state[p] = complete
 

@@ -96,3 +96,42 @@ def format_of(state: dict, qmap_key: str, first_key: str = "state1") -> Optional
         return FLOAT32
     qmap = state.get(qmap_key)
     return BY_CODEBOOK_SIZE.get(qmap.numel() if isinstance(qmap, torch.Tensor) else None, CODES8)
+
+
+def state_mismatch(state: dict, spec, local: torch.Tensor, same_device: bool) -> Optional[str]:
+    """What is wrong, by their metadata alone, with the tensors of a parameter's state for the
+    kernels that will read them (``spec``'s states in the format ``format_of`` reads; ``local``:
+    the parameter, or a DTensor's local shard; ``same_device``: the states must be on its device,
+    not streamed from the host), or None: dtypes and sizes (any shape of the right number of
+    elements: a torchao 4-bit checkpoint's codes are flat), contiguity and device. The kernels
+    trust these (torch's fused Adam reads a moment of the parameter's size whatever its size), so a
+    state replaced by hand is checked before a step uses it."""
+    first = spec.states[0]
+    if first.key not in state:
+        return None
+    if not isinstance(state[first.key], torch.Tensor):
+        return f"state[{first.key!r}] is a {type(state[first.key]).__name__}, not a tensor"
+    if state[first.key].dtype == torch.uint8:
+        qmap = state.get(first.qmap_key)
+        if not isinstance(qmap, torch.Tensor) or qmap.numel() not in BY_CODEBOOK_SIZE:
+            return (f"state[{first.qmap_key!r}] must be a codebook of 256 (8-bit) or 16 (4-bit) float32 entries, not "
+                    + (f"{qmap.numel()} entries" if isinstance(qmap, torch.Tensor) else
+                       "missing" if qmap is None else f"a {type(qmap).__name__}"))
+    fmt = format_of(state, first.qmap_key, first.key)
+    expected = [(s.key, fmt.dtype, fmt.state_shape(s.moments, local.shape)) for s in spec.states]
+    if fmt.quantized:
+        for s in spec.states:
+            expected += [(s.absmax_key, torch.float32, fmt.absmax_shape(s.moments, local.numel())),
+                         (s.qmap_key, torch.float32, (fmt.codebook_size,))]
+    for key, dtype, shape in expected:
+        t = state.get(key)
+        if not isinstance(t, torch.Tensor):
+            return f"state[{key!r}] is " + ("missing" if t is None else f"a {type(t).__name__}, not a tensor")
+        if t.dtype != dtype or t.numel() != math.prod(shape):  # any shape of that size (torchao's flat 4-bit codes)
+            return (f"state[{key!r}] is {t.dtype} of shape {tuple(t.shape)}, but this {fmt.bits}-bit state needs "
+                    f"{dtype} of {math.prod(shape)} elements (shape {tuple(shape)})")
+        if not t.is_contiguous():
+            return f"state[{key!r}] is not contiguous"
+        if same_device and t.device != local.device:
+            return f"state[{key!r}] is on {t.device}, the parameter on {local.device}"
+    return None

@@ -94,9 +94,15 @@ struct QuantizedStateList : torch::CustomClassHolder {
   // it is) and its gradient for step_gathered. False (and nothing kept) when the ordinary step must
   // run instead: no parameters held, or a gradient missing or not matching its parameter (other
   // dtype, shape, device or layout, or either not contiguous: the ordinary step copies or refuses
-  // those). The caller guarantees that the held Python objects are alive: fast_step.py checks that
+  // those), or, for a torch_fused() list, a moment that no longer matches its parameter (the
+  // ordinary step names it). The caller guarantees that the held Python objects are alive: fast_step.py checks that
   // the param groups hold exactly them, in order, right before (csrc/quantized_state_list.cpp).
   bool gather_grads();
+
+  // For a torch_fused() list: whether parameter i's held moments are still what torch's fused op
+  // may read for `p` (float32, contiguous, on its device, of its size: the op does not check, and
+  // would read and write past a moment resized in place).
+  bool fused_states_match(size_t i, const at::Tensor& p) const;
 
   // torch's fused Adam/AdamW on the held states (torch_fused()): hyper is (lr, beta1, beta2,
   // weight_decay, eps), `lr` (a float32 tensor on the parameters' device) replacing hyper[0] when
