@@ -105,3 +105,27 @@ def test_a_moment_moved_to_another_device_by_hand_is_refused(name):
     with pytest.raises(ValueError, match=r"state\['state1'\] is on cpu"):
         opt.step()
     _same(before, opt, params, skip_key="state1")
+
+
+@pytest.mark.parametrize("name", ["PagedAdamW32bit", "PagedAdamW8bit"])
+def test_a_host_resident_moment_replaced_by_hand_is_refused_changing_nothing(name):
+    """Streamed states (residency="host") are checked alike (their device aside: they live in host
+    memory), before the pager sizes its copies from them."""
+    import warnings
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((40, 34), (700,))]
+    opt = getattr(pagedopt, name)(params, lr=1e-2, min_8bit_size=100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "not paged on cpu": the host pager streams on the CPU too
+        opt.set_pager(residency="host", device_buffer="1MiB")
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        good = opt.state[params[0]]["state2"]
+        before = _snapshot(opt, params)
+        opt.state[params[0]]["state2"] = good.reshape(-1)[:3].clone()
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*state\['state2'\]"):
+            opt.step()
+    _same(before, opt, params, skip_key="state2")
