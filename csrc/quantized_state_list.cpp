@@ -64,18 +64,20 @@ void QuantizedStateList::step_torch_fused(const std::vector<at::Tensor>& params,
   const at::TensorList exp_avgs = all.slice(0, n), exp_avg_sqs = all.slice(n, n);
   const bool decoupled = algorithm == "_fused_adamw_";
   const double beta1 = hyper[1], beta2 = hyper[2], weight_decay = hyper[3], eps = hyper[4];
-  if (decoupled && lr.has_value()) {
-    at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, *lr, beta1, beta2, weight_decay, eps,
-                      /*amsgrad=*/false, /*maximize=*/false, grad_scale, found_inf);
-  } else if (decoupled) {
-    at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, hyper[0], beta1, beta2, weight_decay, eps,
-                      /*amsgrad=*/false, /*maximize=*/false, grad_scale, found_inf);
-  } else if (lr.has_value()) {
-    at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, *lr, beta1, beta2, weight_decay, eps,
-                     /*amsgrad=*/false, /*maximize=*/false, grad_scale, found_inf);
+  // the op's float-lr or tensor-lr overload, as `lr_arg` is a double or a tensor
+  const auto run = [&](const auto& lr_arg) {
+    if (decoupled) {
+      at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, lr_arg, beta1, beta2, weight_decay, eps,
+                        /*amsgrad=*/false, /*maximize=*/false, grad_scale, found_inf);
+    } else {
+      at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, lr_arg, beta1, beta2, weight_decay, eps,
+                       /*amsgrad=*/false, /*maximize=*/false, grad_scale, found_inf);
+    }
+  };
+  if (lr.has_value()) {
+    run(*lr);
   } else {
-    at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, hyper[0], beta1, beta2, weight_decay, eps,
-                     /*amsgrad=*/false, /*maximize=*/false, grad_scale, found_inf);
+    run(hyper[0]);
   }
 }
 

@@ -41,6 +41,7 @@ BAD = {
     "smaller": lambda t: torch.zeros(5, dtype=t.dtype),
     "other dtype": lambda t: t.double(),
     "not a tensor": lambda t: t.tolist(),
+    "sparse": lambda t: t.to_sparse(),
     "not contiguous": lambda t: t.reshape(-1).repeat(2)[::2].reshape(t.shape) if t.dim() else t,
 }
 

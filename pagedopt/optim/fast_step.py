@@ -63,9 +63,10 @@ def fast_step(opt, plan: StepPlan) -> bool:
     calls = []
     for b in buckets:  # every held bucket's hyperparameters read before anything changes
         group = group_of(groups, b)
-        hyper, lr = kernels.hyper_and_lr(spec, group, b.device)
         if b.kernel == FUSED32:
-            hyper, lr = kernels.fused32_hyper(group, lr)
+            hyper, lr = kernels.fused32_hyper(group, kernels.lr_tensor(group, b.device))
+        else:
+            hyper, lr = kernels.hyper_and_lr(spec, group, b.device)
         calls.append((group, None if b.held is None else [float(h) for h in hyper], lr, kernels.sr_seed(group, b)))
     unheld = {}  # buckets without a held list (32-bit Adam on 16-bit params, plain SGD): their ordinary step
     for i, b in enumerate(buckets):

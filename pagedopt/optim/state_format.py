@@ -109,8 +109,8 @@ def state_mismatch(state: dict, spec, local: torch.Tensor, same_device: bool) ->
     first = spec.states[0]
     if first.key not in state:
         return None
-    if not isinstance(state[first.key], torch.Tensor):
-        return f"state[{first.key!r}] is a {type(state[first.key]).__name__}, not a tensor"
+    if not isinstance(state[first.key], torch.Tensor) or state[first.key].layout != torch.strided:
+        return f"state[{first.key!r}] is a {type(state[first.key]).__name__}, not a dense tensor"
     if state[first.key].dtype == torch.uint8:
         qmap = state.get(first.qmap_key)
         if not isinstance(qmap, torch.Tensor) or qmap.numel() not in BY_CODEBOOK_SIZE:
@@ -125,8 +125,8 @@ def state_mismatch(state: dict, spec, local: torch.Tensor, same_device: bool) ->
                          (s.qmap_key, torch.float32, (fmt.codebook_size,))]
     for key, dtype, shape in expected:
         t = state.get(key)
-        if not isinstance(t, torch.Tensor):
-            return f"state[{key!r}] is " + ("missing" if t is None else f"a {type(t).__name__}, not a tensor")
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return f"state[{key!r}] is " + ("missing" if t is None else f"a {type(t).__name__}, not a dense tensor")
         if t.dtype != dtype or t.numel() != math.prod(shape):  # any shape of that size (torchao's flat 4-bit codes)
             return (f"state[{key!r}] is {t.dtype} of shape {tuple(t.shape)}, but this {fmt.bits}-bit state needs "
                     f"{dtype} of {math.prod(shape)} elements (shape {tuple(shape)})")
